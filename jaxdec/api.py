@@ -1,0 +1,236 @@
+"""The public API: load, generate, score, save.
+
+    model = jaxdec.load("smollm2", dtype="float32")
+    out = jaxdec.generate(model, ["Hello"], max_new_tokens=32, sampler=Greedy(), seed=0)
+    logits = jaxdec.score(model, [[1, 2, 3]])
+    jaxdec.save(model, "checkpoints/smollm2")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdec import decode, pytree
+from jaxdec.cache import dense
+from jaxdec.checkpoint import orbax_io, registry
+from jaxdec.config import ModelConfig
+from jaxdec.errors import JaxdecError
+from jaxdec.models import transformer
+from jaxdec.sampling import Greedy, Sampler
+
+_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded model: static config, parameter pytree, tokenizer (with chat template)."""
+
+    cfg: ModelConfig
+    params: transformer.Params
+    tokenizer: Any  # jaxdec.checkpoint.tokenizer.Tokenizer
+    source: str = ""
+    tensor_types: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.params)[0].dtype
+
+
+def _dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise JaxdecError(f"unsupported dtype {dtype!r} (float32 or bfloat16)")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def load(source: str | pathlib.Path = "smollm2", *, dtype="float32") -> Model:
+    """Load a named model, a .gguf file, a HF directory, or a `jaxdec convert` checkpoint."""
+    dt = _dtype(dtype)
+    name = str(source)
+    path = registry.resolve(name) if name in registry.MODELS else pathlib.Path(name)
+    if not path.exists():
+        raise JaxdecError(f"no such file or directory: {path}")
+    if path.is_dir() and orbax_io.is_checkpoint(path):
+        return _load_orbax(path, dt)
+    if path.is_dir():
+        from jaxdec.checkpoint.hf_reader import read_hf_dir
+        ckpt = read_hf_dir(path)
+    else:
+        from jaxdec.checkpoint.gguf_reader import read_gguf
+        ckpt = read_gguf(path)
+    params = transformer.params_from_hf(ckpt.config, ckpt.tensors, dt)
+    return Model(cfg=ckpt.config, params=params, tokenizer=ckpt.tokenizer, source=name,
+                 tensor_types=dict(ckpt.tensor_types))
+
+
+def _load_orbax(path: pathlib.Path, dtype) -> Model:
+    from jaxdec.checkpoint.tokenizer import Tokenizer
+
+    meta = orbax_io.read_meta(path)
+    cfg = ModelConfig.from_dict(meta["config"])
+    abstract = pytree.abstract_params(transformer.declare(cfg), jnp.dtype(meta["dtype"]))
+    params = orbax_io.restore(path, abstract)
+    if params_dtype(params) != dtype:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    return Model(cfg=cfg, params=params, tokenizer=Tokenizer.load(path), source=str(path),
+                 tensor_types=meta.get("tensor_types", {}))
+
+
+def params_dtype(params):
+    return jax.tree.leaves(params)[0].dtype
+
+
+def save(model: Model, path) -> pathlib.Path:
+    """Write `model` as an orbax checkpoint directory (atomic; see checkpoint.orbax_io)."""
+    return orbax_io.save(path, model.params, model.cfg, model.tokenizer, source=model.source,
+                         tensor_types=model.tensor_types)
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _score(params, tokens, positions, cfg):
+    return transformer.forward(params, tokens, positions, None, cfg)[0]
+
+
+def _pad(rows: Sequence[Sequence[int]], multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.array([len(r) for r in rows], np.int32)
+    width = max(1, int(-(-lens.max() // multiple) * multiple))
+    out = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out, lens
+
+
+def _as_rows(token_ids) -> list[list[int]]:
+    if isinstance(token_ids, (np.ndarray, jax.Array)):
+        arr = np.asarray(token_ids)
+        return [list(map(int, r)) for r in (arr[None] if arr.ndim == 1 else arr)]
+    rows = list(token_ids)
+    if rows and isinstance(rows[0], (int, np.integer)):
+        rows = [rows]
+    return [list(map(int, r)) for r in rows]
+
+
+def score(model: Model, token_ids) -> np.ndarray:
+    """Logits f32[B, T, V] for a batch of token id rows (ragged rows: NaN past their end)."""
+    rows = _as_rows(token_ids)
+    if not rows or min(len(r) for r in rows) == 0:
+        raise JaxdecError("score needs at least one non-empty row of token ids")
+    _check_ids(rows, model.cfg.vocab_size)
+    tokens, lens = _pad(rows, 16)
+    _check_context(model.cfg, int(lens.max()), 0)
+    steps = np.arange(tokens.shape[1])[None]
+    positions = np.where(steps < lens[:, None], steps, -1).astype(np.int32)
+    logits = np.asarray(_score(model.params, tokens, positions, model.cfg))
+    logits = logits[:, : lens.max()]
+    logits[np.arange(logits.shape[1])[None] >= lens[:, None]] = np.nan
+    return logits
+
+
+def _check_ids(rows, vocab: int) -> None:
+    for r in rows:
+        if r and (min(r) < 0 or max(r) >= vocab):
+            raise JaxdecError(f"token id out of range [0, {vocab}) in input")
+
+
+def _check_context(cfg: ModelConfig, prompt_len: int, max_new: int) -> None:
+    if prompt_len + max_new > cfg.max_position:
+        raise JaxdecError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the "
+                          f"model's context of {cfg.max_position} tokens")
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids per row (a final stop token included)
+    prompt_ids: list[list[int]]
+    stopped: list[bool]  # True where the row ended on a stop token
+
+
+def encode_prompts(model: Model, prompts, *, chat: bool) -> list[list[int]]:
+    """Strings (or, with chat=True, strings or message lists) -> token id rows."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        prompts = [prompts]
+    rows = []
+    for p in prompts:
+        if chat:
+            messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            rows.append(model.tokenizer.encode(text, add_special_tokens=False))
+        else:
+            rows.append(model.tokenizer.encode(p))
+    if any(len(r) == 0 for r in rows):
+        raise JaxdecError("empty prompt: nothing to condition on")
+    return rows
+
+
+def generate(model: Model, prompts, *, max_new_tokens: int = 64, sampler: Sampler = Greedy(),
+             seed: int = 0, chat: bool = False, stop_ids: Sequence[int] | None = None,
+             stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> GenerateResult:
+    """Generate continuations of `prompts` (str, list of str; with chat=True also message
+    lists). Rows stop at EOS/end-of-turn tokens (or `stop_ids`) or at `max_new_tokens`.
+
+    `stream(step, tokens, active)` is called on the host after every step with the new
+    tokens i32[B] and which rows were still generating.
+    """
+    rows = encode_prompts(model, prompts, chat=chat)
+    return generate_ids(model, rows, max_new_tokens=max_new_tokens, sampler=sampler, seed=seed,
+                        stop_ids=stop_ids, stream=stream)
+
+
+def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
+                 sampler: Sampler = Greedy(), seed: int = 0, stop_ids=None,
+                 stream=None) -> GenerateResult:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
+    _check_ids(rows, model.cfg.vocab_size)
+    tokens, lens = _pad(rows, 32)
+    _check_context(model.cfg, int(lens.max()), max_new_tokens)
+    capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
+    cache = dense.init_cache(model.cfg, len(rows), capacity, model.dtype)
+    stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
+    RELAY.sink = stream
+    try:
+        gen = decode.generate_tokens(
+            model.params, cache, jnp.asarray(tokens), jnp.asarray(lens),
+            jax.random.key(seed), jnp.full((len(rows),), max_new_tokens, jnp.int32),
+            sampler=sampler, cfg=model.cfg, max_new_tokens=int(max_new_tokens),
+            stop_ids=stops, stream=RELAY if stream is not None else None)
+        out, n_gen = np.asarray(gen.tokens), np.asarray(gen.n_generated)
+    finally:
+        RELAY.sink = None
+    ids = [list(map(int, out[i, : n_gen[i]])) for i in range(len(rows))]
+    texts = [model.tokenizer.decode(r) for r in ids]
+    return GenerateResult(texts=texts, token_ids=ids, prompt_ids=rows,
+                          stopped=list(map(bool, np.asarray(gen.stopped))))
+
+
+class _Relay:
+    """One stable (hashable) host callback for the jitted loop; forwards to `sink`.
+
+    The loop is compiled once per static configuration; a fresh Python closure per call
+    would recompile it, so the loop always calls this object and the caller swaps `sink`.
+    """
+
+    sink: Callable | None = None
+
+    def __call__(self, step, tokens, active):
+        if self.sink is not None:
+            self.sink(int(step), np.asarray(tokens), np.asarray(active))
+
+
+RELAY = _Relay()

@@ -1,0 +1,1 @@
+"""Checkpoint readers and writers: GGUF, HF safetensors, orbax; tokenizers and chat templates."""

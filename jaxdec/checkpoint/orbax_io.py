@@ -1,0 +1,96 @@
+"""Orbax checkpoints written by `jaxdec convert` / `jaxdec.save`.
+
+Layout of a checkpoint directory:
+
+    jaxdec.json      format version, ModelConfig, dtype, source, stored tensor types
+    params/          the parameter pytree, written by orbax's StandardCheckpointer
+    tokenizer.json, tokenizer_config.json   the tokenizer and chat template
+
+A save is atomic from the user's point of view: everything is written into a sibling
+temporary directory, and only a complete checkpoint is renamed into place. A good
+checkpoint already at the destination is replaced only after the new one is complete, so
+a failed or interrupted save never leaves a half-written checkpoint where a good one was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import uuid
+
+import jax
+
+from jaxdec.config import ModelConfig
+from jaxdec.errors import JaxdecError
+
+FORMAT = "jaxdec-orbax-1"
+META = "jaxdec.json"
+
+
+def is_checkpoint(path: pathlib.Path) -> bool:
+    return (path / META).is_file()
+
+
+def save(path, params, cfg: ModelConfig, tokenizer, *, source: str = "",
+         tensor_types: dict[str, str] | None = None) -> pathlib.Path:
+    import orbax.checkpoint as ocp
+
+    dest = pathlib.Path(path).absolute()
+    if dest.exists() and not (dest.is_dir() and is_checkpoint(dest)):
+        raise JaxdecError(f"{dest} exists and is not a jaxdec checkpoint; refusing to overwrite it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / "params", params)
+        checkpointer.wait_until_finished()
+        tokenizer.save(tmp)
+        dtype = str(jax.tree.leaves(params)[0].dtype)
+        meta = {"format": FORMAT, "config": json.loads(cfg.to_json()), "dtype": dtype,
+                "source": source, "tensor_types": tensor_types or {}}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _swap_into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _swap_into_place(tmp: pathlib.Path, dest: pathlib.Path) -> None:
+    """Rename the finished tmp dir to dest; an old checkpoint is removed only afterwards."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(dest, old)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        if old is not None:
+            os.replace(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: pathlib.Path) -> dict:
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise JaxdecError(f"{path}: unreadable {META} ({e.__class__.__name__})") from None
+    if meta.get("format") != FORMAT:
+        raise JaxdecError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    return meta
+
+
+def restore(path, abstract_params):
+    """Restore the parameter pytree into the structure/dtypes of `abstract_params`."""
+    import orbax.checkpoint as ocp
+
+    try:
+        return ocp.StandardCheckpointer().restore(pathlib.Path(path).absolute() / "params",
+                                                  abstract_params)
+    except Exception as e:  # orbax raises many types for damaged checkpoints
+        raise JaxdecError(f"{path}: cannot restore parameters ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None

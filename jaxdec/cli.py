@@ -1,0 +1,112 @@
+"""The `jaxdec` command: the only place that parses arguments.
+
+    jaxdec generate --model smollm2 --prompt "..." [--chat] [--temperature 0.7 --top-p 0.9]
+    jaxdec chat     --model smollm2
+    jaxdec convert  SRC OUT [--dtype bfloat16]
+    jaxdec info     SRC
+    jaxdec eval ppl --model SRC --corpus prose|code
+    jaxdec fetch    qwen2.5-coder-0.5b | corpora
+
+Every user error is one line on stderr and a non-zero exit; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from jaxdec.errors import JaxdecError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        sys.stderr.write(f"jaxdec: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="smollm2",
+                   help="smollm2, qwen2.5-coder-0.5b, a .gguf file, a HF dir or a jaxdec checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jaxdec", description="JAX/XLA LLM decoding")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    _model_flags(g)
+    _sampling_flags(g)
+    g.add_argument("--prompt", "-p", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--no-stream", action="store_true", help="print the text when done")
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    _model_flags(c)
+    _sampling_flags(c)
+    c.add_argument("--system", default=None, help="system message")
+
+    v = sub.add_parser("convert", help="convert a checkpoint to orbax")
+    v.add_argument("src")
+    v.add_argument("out")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    i = sub.add_parser("info", help="architecture, parameters, bytes, tensor types")
+    i.add_argument("src")
+
+    e = sub.add_parser("eval", help="evaluations")
+    esub = e.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
+    ppl = esub.add_parser("ppl", help="perplexity on a fixed corpus")
+    _model_flags(ppl)
+    ppl.add_argument("--corpus", choices=["prose", "code"], default="prose")
+    ppl.add_argument("--window", type=int, default=512)
+    ppl.add_argument("--max-windows", type=int, default=None)
+    ppl.add_argument("--batch-size", type=int, default=4)
+
+    f = sub.add_parser("fetch", help="download a named model or the evaluation corpora")
+    f.add_argument("name", help="qwen2.5-coder-0.5b, smollm2, or corpora")
+    return parser
+
+
+def enable_compile_cache() -> None:
+    """JAX's persistent compilation cache, so a second run starts fast."""
+    import jax
+
+    from jaxdec.checkpoint.registry import home
+
+    path = os.environ.get("JAXDEC_XLA_CACHE", str(home() / ".xla_cache"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        enable_compile_cache()
+        from jaxdec import commands
+
+        return getattr(commands, args.command)(args) or 0
+    except JaxdecError as e:
+        sys.stderr.write(f"jaxdec: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("jaxdec: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""What each `jaxdec` subcommand does, given already-parsed arguments (see cli.py)."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import jaxdec
+from jaxdec import api, pytree
+from jaxdec.errors import JaxdecError
+from jaxdec.sampling import make_sampler
+
+
+def _sampler(args):
+    if args.max_new_tokens <= 0:
+        raise JaxdecError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
+    return make_sampler(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        min_p=args.min_p)
+
+
+class _Printer:
+    """Streams one row's tokens to stdout as text and times the generation."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.decoder, self.out = tokenizer.stream(), out
+        self.start = time.perf_counter()
+        self.first = self.last = None
+        self.count = 0
+        self.pieces: list[str] = []
+
+    def __call__(self, step, tokens, active):
+        if not active[0]:
+            return
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last, self.count = now, self.count + 1
+        piece = self.decoder.put(int(tokens[0]))
+        if piece:
+            self.pieces.append(piece)
+            self.out.write(piece)
+            self.out.flush()
+
+    def stats(self) -> str:
+        if self.first is None:
+            return "no tokens generated"
+        ttft = self.first - self.start
+        rate = (self.count - 1) / (self.last - self.first) if self.count > 1 else float("nan")
+        return (f"{self.count} tokens; time to first token {ttft:.2f} s (prefill, and compile "
+                f"on a cold cache); decode {rate:.1f} tok/s")
+
+
+def generate(args) -> int:
+    sampler = _sampler(args)
+    model = jaxdec.load(args.model, dtype=args.dtype)
+    if args.no_stream:
+        t0 = time.perf_counter()
+        res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
+                              sampler=sampler, seed=args.seed, chat=args.chat)
+        print(res.texts[0])
+        print(f"[{len(res.token_ids[0])} tokens in {time.perf_counter() - t0:.2f} s]",
+              file=sys.stderr)
+        return 0
+    printer = _Printer(model.tokenizer)
+    jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, sampler=sampler,
+                    seed=args.seed, chat=args.chat, stream=printer)
+    tail = printer.decoder.flush() if hasattr(printer.decoder, "flush") else ""
+    sys.stdout.write(tail + "\n")
+    print(f"[{printer.stats()}]", file=sys.stderr)
+    return 0
+
+
+def chat(args) -> int:
+    sampler = _sampler(args)
+    model = jaxdec.load(args.model, dtype=args.dtype)
+    if not model.tokenizer.chat_template:
+        raise JaxdecError(f"{args.model} has no chat template; use `jaxdec generate`")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    print("jaxdec chat: /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
+    turn = 0
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        printer = _Printer(model.tokenizer)
+        res = jaxdec.generate(model, [messages], max_new_tokens=args.max_new_tokens,
+                              sampler=sampler, seed=args.seed + turn, chat=True, stream=printer)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": res.texts[0].strip()})
+        print(f"[{printer.stats()}]", file=sys.stderr)
+        turn += 1
+
+
+def convert(args) -> int:
+    from tqdm import tqdm
+
+    with tqdm(total=3, desc="convert", unit="stage", file=sys.stderr) as bar:
+        bar.set_postfix_str(f"reading {args.src}")
+        model = jaxdec.load(args.src, dtype=args.dtype)
+        bar.update(1)
+        bar.set_postfix_str("writing orbax")
+        bar.update(1)
+        path = jaxdec.save(model, args.out)
+        bar.update(1)
+    print(f"wrote {path} ({_human(_nbytes(model.params))} of {args.dtype} parameters)")
+    return 0
+
+
+def info(args) -> int:
+    model = jaxdec.load(args.src)
+    cfg = model.cfg
+    print(f"source        {model.source}")
+    print(f"architecture  {cfg.arch}: {cfg.n_layers} layers, d_model {cfg.d_model}, "
+          f"heads {cfg.n_heads}/{cfg.n_kv_heads} (GQA group {cfg.group}), head_dim "
+          f"{cfg.head_dim}, ffn {cfg.d_ff}, vocab {cfg.vocab_size}")
+    print(f"              rope theta {cfg.rope_theta:g}, scaling {cfg.rope_scaling}, context "
+          f"{cfg.max_position}, tied embeddings {cfg.tie_embeddings}, qkv bias {cfg.qkv_bias}")
+    n = pytree.param_count(model.params)
+    print(f"parameters    {n:,} ({_human(_nbytes(model.params))} as {model.dtype})")
+    stored = collections.Counter(model.tensor_types.values())
+    if stored:
+        print("tensor types  " + ", ".join(f"{k} x{v}" for k, v in sorted(stored.items())))
+    return 0
+
+
+def eval(args) -> int:  # noqa: A001 (the subcommand's name)
+    from jaxdec import perplexity
+
+    model = jaxdec.load(args.model, dtype=args.dtype)
+    t0 = time.perf_counter()
+    encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
+    result = perplexity.evaluate(lambda toks: api.score(model, toks), encode, args.corpus,
+                                 window=args.window, max_windows=args.max_windows,
+                                 batch_size=args.batch_size)
+    print(f"{args.model} [{args.dtype}] on {args.corpus}: {result} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def fetch(args) -> int:
+    if args.name == "corpora":
+        from jaxdec import corpora
+
+        for name in ("prose", "code"):
+            corpora.fetch_corpus(name)
+        print("corpora ready")
+        return 0
+    from jaxdec.checkpoint import registry
+
+    print(registry.fetch(args.name))
+    return 0
+
+
+def _nbytes(tree) -> int:
+    return pytree.param_bytes(tree)
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+

@@ -1,0 +1,1 @@
+"""Pallas kernels, one folder per op: reference.py (pure jnp), kernel(s), api.py."""
