@@ -132,7 +132,7 @@ def score(model: Model, token_ids) -> np.ndarray:
     _check_context(model.cfg, int(lens.max()), 0)
     steps = np.arange(tokens.shape[1])[None]
     positions = np.where(steps < lens[:, None], steps, -1).astype(np.int32)
-    logits = np.asarray(_score(model.params, tokens, positions, model.cfg))
+    logits = np.array(_score(model.params, tokens, positions, model.cfg))
     logits = logits[:, : lens.max()]
     logits[np.arange(logits.shape[1])[None] >= lens[:, None]] = np.nan
     return logits

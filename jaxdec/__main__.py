@@ -1,0 +1,3 @@
+from jaxdec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Shared fixtures: the two real models, loaded once per session, in jaxdec and in HF."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REAL_MODELS = ["smollm2", "qwen2.5-coder-0.5b"]
+
+
+@functools.lru_cache(maxsize=None)
+def jax_model(name: str, dtype: str = "float32"):
+    import jaxdec
+
+    return jaxdec.load(name, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(name: str, dtype: str = "float32"):
+    """HF transformers' PyTorch model, loaded from the same GGUF file."""
+    import torch
+    import transformers
+
+    from jaxdec.checkpoint import registry
+
+    path = registry.resolve(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def hf_tokenizer(name: str):
+    import transformers
+
+    from jaxdec.checkpoint import registry
+
+    path = registry.resolve(name)
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session", params=REAL_MODELS)
+def real_model_name(request):
+    return request.param
