@@ -105,7 +105,7 @@ def chat(args) -> int:
 def convert(args) -> int:
     from tqdm import tqdm
 
-    with tqdm(total=3, desc="convert", unit="stage", file=sys.stderr) as bar:
+    with tqdm(total=3, desc="convert", unit="stage", file=sys.stderr, disable=None) as bar:
         bar.set_postfix_str(f"reading {args.src}")
         model = jaxdec.load(args.src, dtype=args.dtype)
         bar.update(1)

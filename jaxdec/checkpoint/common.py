@@ -1,0 +1,86 @@
+"""What every checkpoint reader returns, and the Hugging Face tensor layout it promises.
+
+A reader (GGUF, HF safetensors, orbax) maps its format onto one `Checkpoint`: a
+`ModelConfig`, float32 tensors under Hugging Face names in Hugging Face shapes, the
+tokenizer, and the type each tensor was stored as. Everything downstream (the param
+builder, `jaxdec info`, `jaxdec convert`) reads only this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxdec.checkpoint.tokenizer import Tokenizer
+from jaxdec.config import ModelConfig
+from jaxdec.errors import JaxdecError
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A model's config, weights and tokenizer, format-independent.
+
+    Invariants (checked by `validate`):
+      - `set(tensors) == set(hf_tensor_shapes(config))`: every expected tensor is present,
+        nothing else is; `lm_head.weight` is present iff `not config.tie_embeddings`.
+      - each tensor is a float32 `np.ndarray` with the shape `hf_tensor_shapes` gives
+        (`[out, in]` for linear weights, `[V, D]` for the embedding).
+      - `tensor_types` has the same keys; values name the stored type ('Q4_1', 'BF16', ...).
+    """
+
+    config: ModelConfig
+    tensors: dict[str, np.ndarray]
+    tokenizer: Tokenizer
+    tensor_types: dict[str, str]
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face name and shape of every tensor a Llama/Qwen2 model of `cfg` has."""
+    d, h, f = cfg.d_model, cfg.head_dim, cfg.d_ff
+    q, kv = cfg.n_heads * h, cfg.n_kv_heads * h
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    shapes["model.norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def missing_tensors_error(source: str, missing: list[str]) -> JaxdecError:
+    """One line naming the first few missing tensors and how many there are."""
+    shown = ", ".join(repr(m) for m in sorted(missing)[:3])
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    return JaxdecError(f"{source}: missing {len(missing)} tensor(s): {shown}{more}")
+
+
+def validate(ckpt: Checkpoint, source: str) -> Checkpoint:
+    """Check the `Checkpoint` invariants; raise a one-line JaxdecError naming the first breach."""
+    expected = hf_tensor_shapes(ckpt.config)
+    missing = [n for n in expected if n not in ckpt.tensors]
+    if missing:
+        raise missing_tensors_error(source, missing)
+    for name, arr in ckpt.tensors.items():
+        if name not in expected:
+            raise JaxdecError(f"{source}: unexpected tensor {name!r}")
+        if tuple(arr.shape) != expected[name]:
+            raise JaxdecError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                              f"expected {expected[name]} from the config")
+        if arr.dtype != np.float32:
+            raise JaxdecError(f"{source}: tensor {name!r} is {arr.dtype}, expected float32")
+    return ckpt
