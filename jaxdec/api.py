@@ -194,7 +194,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 64, sampler: Sample
 
 def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
                  sampler: Sampler = Greedy(), seed: int = 0, stop_ids=None,
-                 stream=None) -> GenerateResult:
+                 stream=None, stream_chunk: int = 4) -> GenerateResult:
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
     _check_ids(rows, model.cfg.vocab_size)
@@ -203,34 +203,36 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
     capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
     cache = dense.init_cache(model.cfg, len(rows), capacity, model.dtype)
     stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
-    RELAY.sink = stream
-    try:
-        gen = decode.generate_tokens(
-            model.params, cache, jnp.asarray(tokens), jnp.asarray(lens),
-            jax.random.key(seed), jnp.full((len(rows),), max_new_tokens, jnp.int32),
-            sampler=sampler, cfg=model.cfg, max_new_tokens=int(max_new_tokens),
-            stop_ids=stops, stream=RELAY if stream is not None else None)
-        out, n_gen = np.asarray(gen.tokens), np.asarray(gen.n_generated)
-    finally:
-        RELAY.sink = None
+    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
+            jnp.full((len(rows),), max_new_tokens, jnp.int32))
+    static = dict(sampler=sampler, cfg=model.cfg, max_new_tokens=int(max_new_tokens),
+                  stop_ids=stops)
+    if stream is None:
+        progress, _ = decode.generate_tokens(*args, **static)
+    else:
+        progress = _streamed(args, static, stream, stream_chunk)
+    out, n_gen = np.asarray(progress.tokens), np.asarray(progress.n_generated)
     ids = [list(map(int, out[i, : n_gen[i]])) for i in range(len(rows))]
     texts = [model.tokenizer.decode(r) for r in ids]
     return GenerateResult(texts=texts, token_ids=ids, prompt_ids=rows,
-                          stopped=list(map(bool, np.asarray(gen.stopped))))
+                          stopped=list(map(bool, np.asarray(progress.stopped))))
 
 
-class _Relay:
-    """One stable (hashable) host callback for the jitted loop; forwards to `sink`.
-
-    The loop is compiled once per static configuration; a fresh Python closure per call
-    would recompile it, so the loop always calls this object and the caller swaps `sink`.
-    """
-
-    sink: Callable | None = None
-
-    def __call__(self, step, tokens, active):
-        if self.sink is not None:
-            self.sink(int(step), np.asarray(tokens), np.asarray(active))
-
-
-RELAY = _Relay()
+def _streamed(args, static, stream, chunk: int):
+    """Run the generation chunk by chunk, handing each step's ids to `stream(step, ids,
+    active)` while the next chunk is already queued on the device."""
+    params, _, _, _, rng, limits = args
+    progress, cache = decode.start(*args, **static)
+    static = {k: v for k, v in static.items() if k != "max_new_tokens"}
+    done, target = 0, 1
+    while True:
+        target += chunk  # known on the host: no need to wait for the device to pick it
+        nxt, cache = decode.advance(params, cache, progress, rng, limits, target, **static)
+        step = int(progress.step)  # waits for the previous chunk only
+        cols = np.asarray(progress.tokens[:, done:step])
+        for j in range(cols.shape[1]):
+            stream(done + j, cols[:, j], cols[:, j] >= 0)
+        done = step
+        if step >= progress.tokens.shape[1] or not bool(np.any(progress.active)):
+            return progress
+        progress = nxt

@@ -2,19 +2,19 @@
 
     logits, cache = prefill(params, cache, tokens, prompt_lens, cfg)
     tokens, cache = decode_step(params, cache, last_tokens, rng, sampler, cfg)
-    out = generate_tokens(params, cache, prompts, prompt_lens, rng, sampler, cfg, ...)
+    progress, cache = generate_tokens(params, cache, prompts, prompt_lens, rng, limits, ...)
 
 `decode_step` is jitted with the cache donated, so XLA updates it in place. The generation
 loop is one `lax.while_loop`: each row stops at a stop token (EOS, end of turn) or at its
-token limit; finished rows stop writing to the cache.
+token limit; finished rows stop writing to the cache. Streaming runs the same loop body in
+chunks (`start`, then `advance` until done) so every executable stays free of host
+callbacks, and therefore cacheable by JAX's persistent compilation cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -55,54 +55,92 @@ def decode_step(params, cache: dense.KVCache, last_tokens, rng, sampler: Sampler
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["tokens", "n_generated", "stopped", "cache"], meta_fields=[])
+         data_fields=["step", "last", "active", "n_generated", "stopped", "tokens"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class Generation:
-    tokens: jax.Array  # i32[B, max_new]: generated ids; -1 after a row stopped
+class Progress:
+    """Where a batch of generations stands (small arrays; the cache travels separately so
+    that it alone is donated and these stay readable while the next chunk runs)."""
+
+    step: jax.Array  # i32[]: ids produced so far per row slot (next column of `tokens`)
+    last: jax.Array  # i32[B]: the latest sampled ids, fed to the next step
+    active: jax.Array  # bool[B]: rows still generating
     n_generated: jax.Array  # i32[B]: ids produced per row, including a final stop token
-    stopped: jax.Array  # bool[B]: the row ended on a stop token (not on the limit)
-    cache: dense.KVCache
+    stopped: jax.Array  # bool[B]: the row ended on a stop token (not on its limit)
+    tokens: jax.Array  # i32[B, max_new]: generated ids; -1 where a row produced none
 
 
-@partial(jax.jit, static_argnames=("sampler", "cfg", "max_new_tokens", "stop_ids", "stream"),
-         donate_argnames=("cache",))
-def generate_tokens(params, cache: dense.KVCache, prompts, prompt_lens, rng, limits, *,
-                    sampler: Sampler, cfg: ModelConfig, max_new_tokens: int,
-                    stop_ids: tuple[int, ...] = (), stream: Callable | None = None) -> Generation:
-    """Prefill right-padded prompts, then decode until every row stops, in one jit.
+def _emit(p: Progress, tok, limits, stops) -> Progress:
+    """Record the ids sampled at step p.step for the active rows and retire finished rows."""
+    tokens = p.tokens.at[:, p.step].set(jnp.where(p.active, tok, -1))
+    n_gen = p.n_generated + p.active
+    hit = p.active & jnp.isin(tok, stops)
+    return Progress(step=p.step + 1, last=tok, active=p.active & ~hit & (n_gen < limits),
+                    n_generated=n_gen, stopped=p.stopped | hit, tokens=tokens)
 
-    limits: i32[B] per-row token limits (each <= max_new_tokens). The token sampled at
-    step i uses the key fold_in(rng, i), so a seed reproduces a generation exactly.
-    `stream(step, tokens, active)` is called on the host after each step, if given.
-    """
+
+def _stops(stop_ids: tuple[int, ...]) -> jax.Array:
+    return jnp.asarray(stop_ids or (-1,), jnp.int32)
+
+
+def _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg, max_new_tokens,
+           stop_ids):
     b = prompts.shape[0]
     logits, cache = prefill(params, cache, prompts, prompt_lens, cfg)
-    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
-
-    def emit(i, tok, active, out, n_gen, stopped):
-        out = out.at[:, i].set(jnp.where(active, tok, -1))
-        n_gen = n_gen + active
-        hit = active & jnp.isin(tok, stops)
-        still = active & ~hit & (n_gen < limits)
-        if stream is not None:
-            jax.debug.callback(stream, i, tok, active, ordered=True)
-        return out, n_gen, stopped | hit, still
-
+    empty = Progress(step=jnp.int32(0), last=jnp.zeros(b, jnp.int32), active=limits > 0,
+                     n_generated=jnp.zeros(b, jnp.int32), stopped=jnp.zeros(b, bool),
+                     tokens=jnp.full((b, max_new_tokens), -1, jnp.int32))
     first = sampler(logits, jax.random.fold_in(rng, 0))
-    out = jnp.full((b, max_new_tokens), -1, jnp.int32)
-    out, n_gen, stopped, active = emit(0, first, limits > 0, out, jnp.zeros(b, jnp.int32),
-                                       jnp.zeros(b, bool))
+    return _emit(empty, first, limits, _stops(stop_ids)), cache
 
-    def cond(state):
-        i, _, active, *_ = state
-        return (i < max_new_tokens) & jnp.any(active)
 
-    def body(state):
-        i, tok, active, out, n_gen, stopped, cache = state
-        nxt, cache = _step(params, cache, tok, active, jax.random.fold_in(rng, i), sampler, cfg)
-        out, n_gen, stopped, active = emit(i, nxt, active, out, n_gen, stopped)
-        return i + 1, nxt, active, out, n_gen, stopped, cache
+def _advance(params, cache, p: Progress, rng, limits, stop_at, sampler, cfg, stop_ids):
+    """Decode until step `stop_at` (or the buffer end), or until every row has stopped."""
+    stops, end = _stops(stop_ids), jnp.minimum(stop_at, p.tokens.shape[1])
 
-    state = (jnp.int32(1), first, active, out, n_gen, stopped, cache)
-    _, _, _, out, n_gen, stopped, cache = jax.lax.while_loop(cond, body, state)
-    return Generation(tokens=out, n_generated=n_gen, stopped=stopped, cache=cache)
+    def cond(carry):
+        p, _ = carry
+        return (p.step < end) & jnp.any(p.active)
+
+    def body(carry):
+        p, cache = carry
+        key = jax.random.fold_in(rng, p.step)
+        tok, cache = _step(params, cache, p.last, p.active, key, sampler, cfg)
+        return _emit(p, tok, limits, stops), cache
+
+    return jax.lax.while_loop(cond, body, (p, cache))
+
+
+_STATIC = ("sampler", "cfg", "max_new_tokens", "stop_ids")
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def start(params, cache, prompts, prompt_lens, rng, limits, *, sampler: Sampler,
+          cfg: ModelConfig, max_new_tokens: int, stop_ids: tuple[int, ...] = ()):
+    """Prefill right-padded prompts and sample each row's first id -> (Progress, cache)."""
+    return _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg,
+                  max_new_tokens, stop_ids)
+
+
+@partial(jax.jit, static_argnames=("sampler", "cfg", "stop_ids"), donate_argnames=("cache",))
+def advance(params, cache, progress: Progress, rng, limits, stop_at, *, sampler: Sampler,
+            cfg: ModelConfig, stop_ids: tuple[int, ...] = ()):
+    """Continue a generation up to step `stop_at` (a traced scalar: one compile serves every
+    chunk). Streaming calls this chunk after chunk, reading each chunk's ids while the next
+    one runs."""
+    return _advance(params, cache, progress, rng, limits, stop_at, sampler, cfg, stop_ids)
+
+
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def generate_tokens(params, cache: dense.KVCache, prompts, prompt_lens, rng, limits, *,
+                    sampler: Sampler, cfg: ModelConfig, max_new_tokens: int,
+                    stop_ids: tuple[int, ...] = ()):
+    """Prefill, then decode until every row stops, in one jit -> (Progress, cache).
+
+    limits: i32[B] per-row token limits (each <= max_new_tokens). The id sampled at step i
+    uses the key fold_in(rng, i), so a seed reproduces a generation exactly, whether it
+    runs here in one call or chunk by chunk through `start` and `advance`.
+    """
+    p, cache = _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg,
+                      max_new_tokens, stop_ids)
+    return _advance(params, cache, p, rng, limits, max_new_tokens, sampler, cfg, stop_ids)

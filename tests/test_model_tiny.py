@@ -11,7 +11,7 @@ import torch
 from jaxdec import decode
 from jaxdec.cache import dense
 from jaxdec.models import transformer
-from jaxdec.sampling import Greedy
+from jaxdec.sampling import Greedy, Sample
 from tiny_hf import VOCAB, build, hf_logits, rel_err
 
 ARCHS = ["llama", "qwen2"]
@@ -58,7 +58,7 @@ def test_ragged_batch_equals_rows_alone(tiny):
     run = lambda p, n, b: decode.generate_tokens(
         params, dense.init_cache(cfg, b, 64), jnp.asarray(p), jnp.asarray(n),
         jax.random.key(0), jnp.full((b,), 20, jnp.int32), sampler=Greedy(), cfg=cfg,
-        max_new_tokens=20, stop_ids=())
+        max_new_tokens=20, stop_ids=())[0]
     batched = run(prompts, np.array(lens, np.int32), 3)
     for i, r in enumerate(rows):
         alone = run(r[None], np.array([len(r)], np.int32), 1)
@@ -77,17 +77,17 @@ def test_generation_stops_per_row(tiny):
         params, dense.init_cache(cfg, 2, 64), jnp.asarray(prompt), jnp.array([8, 8]),
         jax.random.key(0), jnp.asarray(limits, jnp.int32), sampler=Greedy(), cfg=cfg,
         max_new_tokens=16, stop_ids=stops)
-    free = run((), [16, 16])
+    free, _ = run((), [16, 16])
     stop_tok = int(free.tokens[0, 4])
     first = int(np.argmax(np.asarray(free.tokens[0]) == stop_tok))
-    stopped = run((stop_tok,), [16, 10])
+    stopped, cache = run((stop_tok,), [16, 10])
     assert int(stopped.n_generated[0]) == first + 1 and bool(stopped.stopped[0])
     np.testing.assert_array_equal(stopped.tokens[0, : first + 1], free.tokens[0, : first + 1])
     assert (np.asarray(stopped.tokens[0, first + 1:]) == -1).all()
     other = np.asarray(free.tokens[1])
     expect_n = min(10, int(np.argmax(other == stop_tok)) + 1 if (other == stop_tok).any() else 10)
     assert int(stopped.n_generated[1]) == expect_n
-    assert int(stopped.cache.lengths[0]) == 8 + first  # the stop token is never written
+    assert int(cache.lengths[0]) == 8 + first  # the stop token is never written
 
 
 def test_decode_step_donates_cache(tiny):
@@ -100,3 +100,21 @@ def test_decode_step_donates_cache(tiny):
     assert k_before.is_deleted()  # donated: XLA reused the buffer in place
     np.testing.assert_array_equal(new.lengths, [4, 4])
     assert toks.shape == (2,) and toks.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("sampler", [Greedy(), Sample(temperature=0.9, top_p=0.95)], ids=str)
+def test_chunked_streaming_equals_one_jit(tiny, sampler):
+    """start + advance chunk by chunk (the streaming path) reproduces the one-jit loop,
+    sampling included (keys are folded per step, not per call)."""
+    _, cfg, params = tiny
+    prompt = jnp.asarray(np.random.default_rng().integers(0, VOCAB, (2, 9)), jnp.int32)
+    args = lambda: (params, dense.init_cache(cfg, 2, 64), prompt, jnp.array([9, 6]),
+                    jax.random.key(7), jnp.array([30, 23]))
+    static = dict(sampler=sampler, cfg=cfg, stop_ids=(5,))
+    whole, _ = decode.generate_tokens(*args(), max_new_tokens=30, **static)
+    p, cache = decode.start(*args(), max_new_tokens=30, **static)
+    for end in range(4, 40, 3):
+        p, cache = decode.advance(params, cache, p, jax.random.key(7), jnp.array([30, 23]),
+                                  end, **static)
+    np.testing.assert_array_equal(p.tokens, whole.tokens)
+    np.testing.assert_array_equal(p.n_generated, whole.n_generated)
