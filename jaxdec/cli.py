@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(ppl)
     ppl.add_argument("--corpus", choices=["prose", "code"], default="prose")
     ppl.add_argument("--window", type=int, default=512)
-    ppl.add_argument("--max-windows", type=int, default=None)
+    ppl.add_argument("--max-windows", type=int, default=100,
+                     help="score the first N eval windows (100 x 512 = 51,100 tokens); 0: all")
     ppl.add_argument("--batch-size", type=int, default=4)
 
     f = sub.add_parser("fetch", help="download a named model or the evaluation corpora")

@@ -141,7 +141,7 @@ def eval(args) -> int:  # noqa: A001 (the subcommand's name)
     t0 = time.perf_counter()
     encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
     result = perplexity.evaluate(lambda toks: api.score(model, toks), encode, args.corpus,
-                                 window=args.window, max_windows=args.max_windows,
+                                 window=args.window, max_windows=args.max_windows or None,
                                  batch_size=args.batch_size)
     print(f"{args.model} [{args.dtype}] on {args.corpus}: {result} "
           f"({time.perf_counter() - t0:.0f} s)")
@@ -152,7 +152,7 @@ def fetch(args) -> int:
     if args.name == "corpora":
         from jaxdec import corpora
 
-        for name in ("prose", "code"):
+        for name in corpora.CORPORA:
             corpora.fetch_corpus(name)
         print("corpora ready")
         return 0

@@ -37,7 +37,7 @@ from jaxdec.errors import JaxdecError
 CORPORA = ("prose", "code")
 SEPARATOR = "\n\n"
 SPLITS = ("eval", "calib")
-FETCH_HINT = "run `jaxdec eval fetch-corpora` (or `make corpora`)"
+FETCH_HINT = "run `jaxdec fetch corpora` (or `make corpora`)"
 
 FORTUNES_PACKAGE = "fortunes"
 FORTUNES_VERSION = "1:1.99.1-7.3"  # Debian 12 (bookworm)
@@ -110,14 +110,15 @@ def fetch_corpus(name: str, *, progress: Callable[[str], None] = print) -> pathl
 def _stage_fortunes(tmp: pathlib.Path, progress: Callable[[str], None]) -> pathlib.Path:
     """Download and extract the fortunes .deb under `tmp`; return the finished folder."""
     spec = f"{FORTUNES_PACKAGE}={FORTUNES_VERSION}"
-    hint = f"run `apt-get update && apt-get download {spec}` on a Debian 12 machine"
+    hint = (f"make `apt-get update && apt-get download {spec}` work (Debian 12, network), "
+            f"then {FETCH_HINT.removeprefix('run ')}")
     for tool in ("apt-get", "dpkg-deb"):
         if shutil.which(tool) is None:
             raise JaxdecError(f"{tool} not found: the prose corpus is the Debian package "
                               f"{FORTUNES_PACKAGE}; {hint}")
     progress(f"downloading {spec} with apt-get")
     if _run(["apt-get", "download", spec], tmp) is not None:
-        progress("package not found; running apt-get update")
+        progress("download failed; running apt-get update and retrying")
         _run(["apt-get", "update"], tmp)
         error = _run(["apt-get", "download", spec], tmp)
         if error is not None:

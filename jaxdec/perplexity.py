@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxdec import corpora
+from jaxdec.errors import JaxdecError
 
 ScoreFn = Callable[[np.ndarray], object]  # i32[B, T] -> logits [B, T, V]
 _ROWS = 64  # positions converted to float64 at a time: 64 * V * 8 bytes
@@ -50,15 +51,18 @@ def window_nll(logits: np.ndarray, tokens: np.ndarray) -> float:
     logits: [T, V] in any float dtype; tokens: i32[T].
     """
     targets = np.asarray(tokens[1:], dtype=np.int64)  # i64[T-1]
-    total = 0.0
-    for start in range(0, targets.shape[0], _ROWS):
-        x = np.asarray(logits[start:start + _ROWS][: targets.shape[0] - start],
-                       dtype=np.float64)  # f64[R, V]
-        m = x.max(axis=-1, keepdims=True)  # f64[R, 1]
-        lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=-1))  # f64[R]
-        picked = x[np.arange(x.shape[0]), targets[start:start + x.shape[0]]]  # f64[R]
-        total += float(np.sum(lse - picked))
-    return total
+    n = targets.shape[0]
+    return math.fsum(_block_nll(logits[s:min(s + _ROWS, n)], targets[s:s + _ROWS])
+                     for s in range(0, n, _ROWS))
+
+
+def _block_nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    """float64 sum of -log softmax(logits[r])[targets[r]]; logits [R, V], targets i64[R]."""
+    x = np.asarray(logits, dtype=np.float64)  # f64[R, V]
+    m = x.max(axis=-1, keepdims=True)  # f64[R, 1]
+    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=-1))  # f64[R]
+    picked = x[np.arange(x.shape[0]), targets]  # f64[R]
+    return float(np.sum(lse - picked))
 
 
 def _batches(tokens: np.ndarray, batch_size: int) -> Iterator[tuple[np.ndarray, int]]:
@@ -106,7 +110,7 @@ def evaluate(score_fn: ScoreFn, tokenizer_encode: Callable[[str], list[int]], co
     ids = corpora.corpus_token_ids(corpus, tokenizer_encode)
     windows = corpora.make_windows(ids, window=window, split=split, max_windows=max_windows)
     if len(windows) == 0:
-        raise corpora.JaxdecError(f"corpus {corpus!r} has no {split} windows of {window} "
+        raise JaxdecError(f"corpus {corpus!r} has no {split} windows of {window} "
                                   f"tokens ({ids.shape[0]:,} tokens)")
     result = perplexity(score_fn, windows, batch_size=batch_size)
     source = (f"{corpus} [{corpora.corpus_source(corpus)}; {ids.shape[0]:,} tokens], "
