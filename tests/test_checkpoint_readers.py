@@ -16,14 +16,10 @@ config, and the tests read those.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
-import tempfile
 
 import gguf
 import numpy as np
@@ -36,6 +32,7 @@ from jaxdec.checkpoint import registry
 from jaxdec.checkpoint.gguf_reader import read_gguf
 from jaxdec.checkpoint.hf_reader import read_hf_dir
 from jaxdec.errors import JaxdecError
+from hf_jobs import HfJob
 
 MODELS = ("smollm2", "qwen2.5-coder-0.5b")
 
@@ -75,50 +72,14 @@ print(f"HF job {path.name}: {time.time() - t0:.1f} s", file=sys.stderr)
 """
 
 
-class _HfJob:
-    """One HF reference computation running in a subprocess (see the module docstring)."""
-
-    def __init__(self, name: str, root: pathlib.Path, *, save: bool):
-        self.name, self.out, self.proc, self.skip = name, root / name, None, None
-        try:
-            path = registry.resolve(name)
-        except JaxdecError as e:
-            self.skip = str(e)
-            return
-        self.out.mkdir(parents=True)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HF_JOB, str(path), str(self.out), "save" if save else "-"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-
-    def result(self) -> pathlib.Path:
-        if self.skip:
-            pytest.skip(self.skip)
-        _, err = self.proc.communicate()
-        if self.proc.returncode:
-            pytest.fail(f"HF reference job for {self.name} failed:\n{err[-3000:]}")
-        return self.out
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-
-
-_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="jaxdec_hf_ref_"))
-_JOBS = {name: _HfJob(name, _ROOT, save=name == "smollm2") for name in MODELS}
-
-
-@atexit.register
-def _cleanup():
-    for job in _JOBS.values():
-        job.kill()
-    shutil.rmtree(_ROOT, ignore_errors=True)
+_JOBS = {name: HfJob(name, _HF_JOB, f"ckpt-{name}", "save" if name == "smollm2" else "-")
+         for name in MODELS}
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def pair(request):
     """(our Checkpoint from the GGUF, HF reference dir) for one real model."""
-    out = _JOBS[request.param].result()
+    out = _JOBS[request.param].wait()
     return read_gguf(registry.resolve(request.param)), out
 
 
@@ -187,7 +148,7 @@ def test_gguf_config_matches_hf(pair):
 
 # ---- HF directories -------------------------------------------------------------------------------
 def test_hf_dir_real_smollm2_saved_by_hf():
-    out = _JOBS["smollm2"].result()
+    out = _JOBS["smollm2"].wait()
     ckpt = read_hf_dir(out / "hf_model")
     _assert_config_matches_hf(ckpt.config, _hf_config(out)["config"])
     assert set(ckpt.tensors) == _hf_names(out)
@@ -226,7 +187,7 @@ def test_hf_dir_random_model(variant, tmp_path):
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     model = cls(config).to(dtype)
     model.save_pretrained(tmp_path, **save_kwargs)
-    tok_dir = _JOBS["smollm2"].result() / "hf_tokenizer"
+    tok_dir = _JOBS["smollm2"].wait() / "hf_tokenizer"
     for f in tok_dir.iterdir():
         shutil.copy(f, tmp_path / f.name)
     if save_kwargs:
@@ -436,7 +397,7 @@ def test_error_hf_dir(tmp_path):
     _assert_one_line_error(read_hf_dir, d, match="no tokenizer.json")
     (d / "tokenizer.json").write_text("{not json")
     _assert_one_line_error(read_hf_dir, d, match="tokenizer.json: cannot parse")
-    for f in (_JOBS["smollm2"].result() / "hf_tokenizer").iterdir():
+    for f in (_JOBS["smollm2"].wait() / "hf_tokenizer").iterdir():
         shutil.copy(f, d / f.name)
     cfg = json.loads((d / "config.json").read_text())
 

@@ -15,13 +15,8 @@ HF's backend with SmolLM2's original pre-tokenizer restored.
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
 import pathlib
-import shutil
-import subprocess
-import sys
 import tempfile
 
 import gguf
@@ -35,6 +30,7 @@ from jaxdec.checkpoint import registry
 from jaxdec.checkpoint.gguf_reader import read_gguf_header
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.errors import JaxdecError
+from hf_jobs import HfJob
 
 MODELS = ("smollm2", "qwen2.5-coder-0.5b")
 
@@ -64,7 +60,7 @@ CHATS = {
 _HF_JOB = r"""
 import json, pathlib, sys
 from transformers import AutoTokenizer
-path, inp, out = pathlib.Path(sys.argv[1]), json.load(open(sys.argv[2])), sys.argv[3]
+path, out, inp = pathlib.Path(sys.argv[1]), sys.argv[2], json.load(open(sys.argv[3]))
 tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 ids = [tok(s)["input_ids"] for s in inp["texts"]]
 json.dump({
@@ -81,59 +77,32 @@ json.dump({
 """
 
 
-class _HfJob:
-    """HF's tokenizer for one real model, built in a subprocess (see the module docstring)."""
-
-    def __init__(self, name: str, root: pathlib.Path):
-        self.name, self.out = name, root / f"{name}.json"
-        self.proc, self.skip, self._result = None, None, None
-        try:
-            self.path = registry.resolve(name)
-        except JaxdecError as e:
-            self.skip = str(e)
-            return
-        inp = root / "input.json"
-        inp.write_text(json.dumps({"texts": HARD, "chats": CHATS}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HF_JOB, str(self.path), str(inp), str(self.out)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-
-    def result(self) -> dict:
-        if self.skip:
-            pytest.skip(self.skip)
-        if self._result is None:
-            _, err = self.proc.communicate()
-            if self.proc.returncode:
-                pytest.fail(f"HF tokenizer job for {self.name} failed:\n{err[-3000:]}")
-            self._result = json.loads(self.out.read_text())
-        return self._result
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+def _start(name: str) -> HfJob:
+    root = tempfile.mkdtemp(prefix="jaxdec_tok_in_")
+    inp = pathlib.Path(root) / "input.json"
+    inp.write_text(json.dumps({"texts": HARD, "chats": CHATS}))
+    return HfJob(name, _HF_JOB, f"tok-{name}.json", str(inp))
 
 
-_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="jaxdec_hf_tok_"))
-_JOBS = {name: _HfJob(name, _ROOT) for name in MODELS}
+_JOBS = {name: _start(name) for name in MODELS}
+_RESULTS: dict[str, dict] = {}
 
 
-@atexit.register
-def _cleanup():
-    for job in _JOBS.values():
-        job.kill()
-    shutil.rmtree(_ROOT, ignore_errors=True)
+def _hf_result(name: str) -> dict:
+    if name not in _RESULTS:
+        _RESULTS[name] = json.loads(_JOBS[name].wait().read_text())
+    return _RESULTS[name]
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def model(request):
     """(name, our Tokenizer, HF reference results) for one real model."""
-    job = _JOBS[request.param]
-    ref = job.result()
+    ref = _hf_result(request.param)
+    path = registry.resolve(request.param)
     if request.param == "smollm2":  # also exercise the gguf.GGUFReader entry point
-        ours = Tokenizer.from_gguf(gguf.GGUFReader(job.path))
+        ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
     else:
-        ours = Tokenizer.from_gguf(read_gguf_header(job.path).metadata)
+        ours = Tokenizer.from_gguf(read_gguf_header(path).metadata)
     return request.param, ours, ref
 
 
