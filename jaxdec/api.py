@@ -52,8 +52,11 @@ def _dtype(dtype) -> Any:
     return jnp.dtype(dtype)
 
 
-def load(source: str | pathlib.Path = "smollm2", *, dtype="float32") -> Model:
-    """Load a named model, a .gguf file, a HF directory, or a `jaxdec convert` checkpoint."""
+def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", progress=None) -> Model:
+    """Load a named model, a .gguf file, a HF directory, or a `jaxdec convert` checkpoint.
+
+    `progress(done, total)` is called as GGUF tensors are dequantized (for progress bars).
+    """
     dt = _dtype(dtype)
     name = str(source)
     path = registry.resolve(name) if name in registry.MODELS else pathlib.Path(name)
@@ -66,7 +69,7 @@ def load(source: str | pathlib.Path = "smollm2", *, dtype="float32") -> Model:
         ckpt = read_hf_dir(path)
     else:
         from jaxdec.checkpoint.gguf_reader import read_gguf
-        ckpt = read_gguf(path)
+        ckpt = read_gguf(path, progress=progress)
     params = transformer.params_from_hf(ckpt.config, ckpt.tensors, dt)
     return Model(cfg=ckpt.config, params=params, tokenizer=ckpt.tokenizer, source=name,
                  tensor_types=dict(ckpt.tensor_types))

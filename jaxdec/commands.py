@@ -105,14 +105,14 @@ def chat(args) -> int:
 def convert(args) -> int:
     from tqdm import tqdm
 
-    with tqdm(total=3, desc="convert", unit="stage", file=sys.stderr, disable=None) as bar:
-        bar.set_postfix_str(f"reading {args.src}")
-        model = jaxdec.load(args.src, dtype=args.dtype)
-        bar.update(1)
-        bar.set_postfix_str("writing orbax")
-        bar.update(1)
-        path = jaxdec.save(model, args.out)
-        bar.update(1)
+    with tqdm(desc=f"reading {args.src}", unit="tensor", file=sys.stderr, disable=None) as bar:
+        def progress(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+
+        model = jaxdec.load(args.src, dtype=args.dtype, progress=progress)
+    print(f"writing {args.out} ...", file=sys.stderr)
+    path = jaxdec.save(model, args.out)
     print(f"wrote {path} ({_human(_nbytes(model.params))} of {args.dtype} parameters)")
     return 0
 

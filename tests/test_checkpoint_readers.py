@@ -164,6 +164,18 @@ def test_hf_dir_real_smollm2_saved_by_hf():
         chat, tokenize=False, add_generation_prompt=True)
 
 
+def test_load_hf_dir_generates_like_the_gguf():
+    """jaxdec.load(HF dir) -> the same logits and greedy tokens as jaxdec.load(GGUF)."""
+    import jaxdec
+    from conftest import jax_model
+
+    from_dir = jaxdec.load(_JOBS["smollm2"].wait() / "hf_model")
+    rows = [from_dir.tokenizer.encode("The quick brown fox"), [1, 2, 3, 4, 5, 6, 7]]
+    np.testing.assert_array_equal(jaxdec.score(from_dir, rows), jaxdec.score(jax_model("smollm2"), rows))
+    a = jaxdec.generate(from_dir, "Rivers flow to", max_new_tokens=8)
+    assert a.token_ids == jaxdec.generate(jax_model("smollm2"), "Rivers flow to", max_new_tokens=8).token_ids
+
+
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 1024,
                 "rope_theta": 500000.0}

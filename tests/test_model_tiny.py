@@ -65,6 +65,7 @@ def test_ragged_batch_equals_rows_alone(tiny):
         np.testing.assert_array_equal(batched.tokens[i], alone.tokens[0])
         with torch.no_grad():
             hf = model.generate(torch.as_tensor(r[None]), max_new_tokens=20, do_sample=False,
+                                attention_mask=torch.ones(1, len(r), dtype=torch.long),
                                 eos_token_id=None, pad_token_id=0)
         np.testing.assert_array_equal(np.asarray(batched.tokens[i]), hf[0, len(r):].numpy())
 

@@ -306,8 +306,10 @@ def _check_tensors(header: GgufHeader, cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def read_gguf(path: str | pathlib.Path) -> Checkpoint:
+def read_gguf(path: str | pathlib.Path, *, progress=None) -> Checkpoint:
     """A GGUF file (architectures 'llama', 'qwen2') as a `Checkpoint` of float32 HF tensors.
+
+    `progress(done, total)`, if given, is called after each tensor is dequantized.
 
     Every user-facing problem (missing/truncated/corrupt file, unsupported architecture,
     tokenizer or tensor type, missing tensors) is a one-line JaxdecError.
@@ -327,7 +329,11 @@ def read_gguf(path: str | pathlib.Path) -> Checkpoint:
         except ValueError as e:
             raise JaxdecError(f"{header.path}: invalid model metadata ({e})") from None
         names = _check_tensors(header, cfg)
-        tensors = {hf: _load_tensor(buf, header.tensors[name], hf, cfg) for name, hf in names.items()}
+        tensors = {}
+        for name, hf in names.items():
+            tensors[hf] = _load_tensor(buf, header.tensors[name], hf, cfg)
+            if progress is not None:
+                progress(len(tensors), len(names))
     types = {hf: header.tensors[name].type_name for name, hf in names.items()}
     return validate(Checkpoint(config=cfg, tensors=tensors, tokenizer=tok, tensor_types=types),
                     str(header.path))
