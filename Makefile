@@ -4,18 +4,16 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 JAXDEC := $(BIN)/jaxdec
-DEMO_PROMPT ?= What are three good habits for writing readable Python code?
+DEMO_PROMPT ?= Give me three tips for a good night's sleep.
 
-.PHONY: demo test test-slow models corpora bench clean
+.PHONY: demo test models corpora clean
 
 demo: $(VENV)/.demo
-	$(JAXDEC) generate --model smollm2 --chat --max-new-tokens 160 --prompt "$(DEMO_PROMPT)"
+	$(JAXDEC) generate --model smollm2 --chat --max-new-tokens 160 --temperature 0.2 --top-p 0.9 --seed 0 \
+		--prompt "$(DEMO_PROMPT)"
 
 test: $(VENV)/.test models corpora
 	$(BIN)/python -m pytest
-
-test-slow: $(VENV)/.test models corpora
-	$(BIN)/python -m pytest -m slow
 
 models: $(VENV)/.demo
 	$(JAXDEC) fetch qwen2.5-coder-0.5b

@@ -82,14 +82,10 @@ def _load_orbax(path: pathlib.Path, dtype) -> Model:
     cfg = ModelConfig.from_dict(meta["config"])
     abstract = pytree.abstract_params(transformer.declare(cfg), jnp.dtype(meta["dtype"]))
     params = orbax_io.restore(path, abstract)
-    if params_dtype(params) != dtype:
+    if jax.tree.leaves(params)[0].dtype != dtype:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     return Model(cfg=cfg, params=params, tokenizer=Tokenizer.load(path), source=str(path),
                  tensor_types=meta.get("tensor_types", {}))
-
-
-def params_dtype(params):
-    return jax.tree.leaves(params)[0].dtype
 
 
 def save(model: Model, path) -> pathlib.Path:

@@ -3,9 +3,11 @@ printed beside jaxdec's own.
 
     python scripts/ppl_hf.py --model smollm2 --corpus prose --window 512 [--max-windows N]
 
-The GGUF is dequantised by transformers into a float32 PyTorch model; the text is
-tokenized with the GGUF's HF tokenizer (no special tokens) and scored through
-`jaxdec.perplexity.evaluate`, so the windows are exactly the ones jaxdec is scored on.
+The GGUF is dequantised by transformers into a float32 PyTorch model. The text is
+tokenized with jaxdec's tokenizer (no special tokens) and scored through
+`jaxdec.perplexity.evaluate`, so the windows are token for token the ones `jaxdec eval ppl`
+scores; `--hf-tokenizer` uses HF's GGUF tokenizer instead (for SmolLM2 it splits a space
+before a digit differently from llama.cpp and jaxdec, which shifts the windows).
 `--tokens-only` prints the token count of every corpus and exits.
 """
 
@@ -18,7 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxdec import corpora
 from jaxdec.checkpoint import registry
+from jaxdec.checkpoint.gguf_reader import read_gguf_header
+from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.perplexity import evaluate
+
+
+def jaxdec_encoder(model: str):
+    """jaxdec's tokenizer for the model as `text -> ids`, adding no special tokens."""
+    tok = Tokenizer.from_gguf(read_gguf_header(registry.resolve(model)).metadata)
+    return lambda text: tok.encode(text, add_special_tokens=False)
 
 
 def hf_encoder(model: str):
@@ -49,10 +59,11 @@ def main() -> None:
     p.add_argument("--split", choices=corpora.SPLITS, default="eval")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--tokens-only", action="store_true")
+    p.add_argument("--hf-tokenizer", action="store_true", help="tokenize with HF's tokenizer")
     args = p.parse_args()
     for name in corpora.CORPORA:
         corpora.fetch_corpus(name, progress=lambda s: None)
-    encode = hf_encoder(args.model)
+    encode = hf_encoder(args.model) if args.hf_tokenizer else jaxdec_encoder(args.model)
     if args.tokens_only:
         for name in corpora.CORPORA:
             n = corpora.corpus_token_ids(name, encode).shape[0]
