@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec import decode, pytree
+from jaxdec import decode, quant
 from jaxdec.cache import dense
 from jaxdec.checkpoint import orbax_io, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
+from jaxdec.quant import convert
 from jaxdec.sampling import Greedy, Sampler
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
@@ -41,7 +42,20 @@ class Model:
 
     @property
     def dtype(self):
-        return jax.tree.leaves(self.params)[0].dtype
+        """The activation (and KV cache) dtype."""
+        return self.params.final_norm.dtype
+
+    @property
+    def weights(self) -> str:
+        """The weight format: float32, bfloat16, int8, int4, or mixed (a GGUF's blocks)."""
+        bits = {w.bits for w in jax.tree.leaves(self.params, is_leaf=_is_q) if _is_q(w)}
+        if not bits:
+            return str(self.dtype)
+        return f"int{bits.pop()}" if len(bits) == 1 else "mixed int4/int8"
+
+
+def _is_q(x) -> bool:
+    return isinstance(x, quant.QArray)
 
 
 def _dtype(dtype) -> Any:
@@ -52,25 +66,49 @@ def _dtype(dtype) -> Any:
     return jnp.dtype(dtype)
 
 
-def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", progress=None) -> Model:
+WEIGHTS = ("f32", "bf16", "int8", "int4", "gguf")
+
+
+def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: str | None = None,
+         progress=None) -> Model:
     """Load a named model, a .gguf file, a HF directory, or a `jaxdec convert` checkpoint.
 
-    `progress(done, total)` is called as GGUF tensors are dequantized (for progress bars).
+    `weights` picks the format of the matmul weights: "f32" or "bf16" (then also the
+    activation dtype), "int8" or "int4" (group-wise, 32 per group; a GGUF's own Q8_0 or
+    Q4_0/Q4_1 blocks of that width are kept bit-exact, other tensors are requantised), or
+    "gguf" (every Q8_0/Q4_0/Q4_1 block kept as it is, the rest int8). Quantised weights
+    run with `dtype` activations. `progress(done, total)` is called as GGUF tensors are
+    dequantized (for progress bars).
     """
+    if weights is not None and weights not in WEIGHTS:
+        raise JaxdecError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHTS)})")
+    if weights in ("f32", "bf16"):
+        dtype, weights = weights, None
     dt = _dtype(dtype)
     name = str(source)
     path = registry.resolve(name) if name in registry.MODELS else pathlib.Path(name)
     if not path.exists():
         raise JaxdecError(f"no such file or directory: {path}")
     if path.is_dir() and orbax_io.is_checkpoint(path):
-        return _load_orbax(path, dt)
-    if path.is_dir():
+        model = _load_orbax(path, dt)
+    elif path.is_dir():
         from jaxdec.checkpoint.hf_reader import read_hf_dir
         ckpt = read_hf_dir(path)
+        model = _from_checkpoint(ckpt, name, dt, weights)
     else:
         from jaxdec.checkpoint.gguf_reader import read_gguf
-        ckpt = read_gguf(path, progress=progress)
-    params = transformer.params_from_hf(ckpt.config, ckpt.tensors, dt)
+        ckpt = read_gguf(path, progress=progress, keep_blocks=weights is not None)
+        model = _from_checkpoint(ckpt, name, dt, weights)
+    if weights is None:
+        return model
+    decl = transformer.declare(model.cfg)
+    return dataclasses.replace(model, params=convert.quantize_params(model.params, decl, weights))
+
+
+def _from_checkpoint(ckpt, name: str, dtype, weights: str | None) -> Model:
+    keep = {n: b for n, b in ckpt.blocks.items()
+            if weights == "gguf" or (weights and b.bits == convert.FORMATS[weights][0])}
+    params = transformer.params_from_hf(ckpt.config, ckpt.tensors, dtype, keep)
     return Model(cfg=ckpt.config, params=params, tokenizer=ckpt.tokenizer, source=name,
                  tensor_types=dict(ckpt.tensor_types))
 
@@ -80,10 +118,12 @@ def _load_orbax(path: pathlib.Path, dtype) -> Model:
 
     meta = orbax_io.read_meta(path)
     cfg = ModelConfig.from_dict(meta["config"])
-    abstract = pytree.abstract_params(transformer.declare(cfg), jnp.dtype(meta["dtype"]))
+    abstract = convert.abstract_like(transformer.declare(cfg), jnp.dtype(meta["dtype"]),
+                                     meta.get("qarrays", {}))
     params = orbax_io.restore(path, abstract)
-    if jax.tree.leaves(params)[0].dtype != dtype:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    if params.final_norm.dtype != dtype:
+        cast = lambda x: x if _is_q(x) else x.astype(dtype)
+        params = jax.tree.map(cast, params, is_leaf=_is_q)
     return Model(cfg=cfg, params=params, tokenizer=Tokenizer.load(path), source=str(path),
                  tensor_types=meta.get("tensor_types", {}))
 
@@ -91,7 +131,8 @@ def _load_orbax(path: pathlib.Path, dtype) -> Model:
 def save(model: Model, path) -> pathlib.Path:
     """Write `model` as an orbax checkpoint directory (atomic; see checkpoint.orbax_io)."""
     return orbax_io.save(path, model.params, model.cfg, model.tokenizer, source=model.source,
-                         tensor_types=model.tensor_types)
+                         tensor_types=model.tensor_types,
+                         extra={"qarrays": convert.describe(model.params)})
 
 
 # ---------------------------------------------------------------------------- scoring

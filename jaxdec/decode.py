@@ -24,6 +24,13 @@ from jaxdec.models import transformer
 from jaxdec.sampling import Sampler
 
 
+# XLA:CPU's default copy insertion copies every donated cache buffer that is both read
+# (attention) and updated in place (the new token's slot) in one step: two full copies of
+# each layer's K and V per decode step. Its region analysis proves the read happens first
+# and drops them all (checked on the compiled HLO by tests/test_decode_hlo.py).
+COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
 def prompt_positions(lengths: jax.Array, prompt_lens: jax.Array, t: int) -> jax.Array:
     """i32[B, T]: row b's prompt continues at lengths[b]; padding past prompt_lens is -1."""
     steps = jnp.arange(t)[None, :]
@@ -46,7 +53,8 @@ def _step(params, cache, last_tokens, active, key, sampler: Sampler, cfg: ModelC
     return sampler(logits[:, 0], key), cache
 
 
-@partial(jax.jit, static_argnames=("sampler", "cfg"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("sampler", "cfg"), donate_argnames=("cache",),
+         compiler_options=COMPILER_OPTIONS)
 def decode_step(params, cache: dense.KVCache, last_tokens, rng, sampler: Sampler,
                 cfg: ModelConfig):
     """i32[B] last tokens -> (i32[B] next tokens, cache). The cache is donated."""
@@ -114,7 +122,8 @@ def _advance(params, cache, p: Progress, rng, limits, stop_at, sampler, cfg, sto
 _STATIC = ("sampler", "cfg", "max_new_tokens", "stop_ids")
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",),
+         compiler_options=COMPILER_OPTIONS)
 def start(params, cache, prompts, prompt_lens, rng, limits, *, sampler: Sampler,
           cfg: ModelConfig, max_new_tokens: int, stop_ids: tuple[int, ...] = ()):
     """Prefill right-padded prompts and sample each row's first id -> (Progress, cache)."""
@@ -122,7 +131,8 @@ def start(params, cache, prompts, prompt_lens, rng, limits, *, sampler: Sampler,
                   max_new_tokens, stop_ids)
 
 
-@partial(jax.jit, static_argnames=("sampler", "cfg", "stop_ids"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("sampler", "cfg", "stop_ids"), donate_argnames=("cache",),
+         compiler_options=COMPILER_OPTIONS)
 def advance(params, cache, progress: Progress, rng, limits, stop_at, *, sampler: Sampler,
             cfg: ModelConfig, stop_ids: tuple[int, ...] = ()):
     """Continue a generation up to step `stop_at` (a traced scalar: one compile serves every
@@ -131,7 +141,8 @@ def advance(params, cache, progress: Progress, rng, limits, stop_at, *, sampler:
     return _advance(params, cache, progress, rng, limits, stop_at, sampler, cfg, stop_ids)
 
 
-@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",),
+         compiler_options=COMPILER_OPTIONS)
 def generate_tokens(params, cache: dense.KVCache, prompts, prompt_lens, rng, limits, *,
                     sampler: Sampler, cfg: ModelConfig, max_new_tokens: int,
                     stop_ids: tuple[int, ...] = ()):

@@ -15,18 +15,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.config import RopeScaling
+from jaxdec.quant.matmul import qmatmul
+from jaxdec.quant.qarray import QArray
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding) stay finite instead of NaN
 
 
-def linear(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """The one matmul entry point: `einsum(spec, x, w)` accumulated in float32.
+def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Array:
+    """The one matmul entry point: contract the last `n_in` axes of x with the first `n_in`
+    axes of w, accumulating in float32. x: [..., *in], w: [*in, *out] -> [..., *out].
 
-    Weights are stored (in, out) so the contraction streams them. The result comes back
-    in the activation dtype, as a framework's bf16 Linear does.
+    A `QArray` weight goes to the quantised matmul (`jaxdec.quant.matmul`); model code
+    never branches on quantisation. Weights are stored (in, out) so the contraction streams them. Both sides are flattened
+    to one 2-D dot ([M, K] @ [K, N]) so XLA never relayouts a weight to match an
+    activation (it did: a [N, H, D] output projection was transposed on every step). The
+    result comes back in `dtype`, by default the activation's, as a framework's bf16
+    Linear does.
     """
-    y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    in_shape, out_shape = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
+    if x.shape[x.ndim - n_in:] != in_shape:
+        raise ValueError(f"linear: x {x.shape} does not end in w's input axes {in_shape}")
+    k = math.prod(in_shape)
+    if isinstance(w, QArray):
+        if w.n_in != n_in:
+            raise ValueError(f"linear: QArray contracts {w.n_in} axes, not {n_in}")
+        y = qmatmul(x.reshape(-1, k), w)
+    else:
+        y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=jnp.float32)
+    return y.reshape(*x.shape[:x.ndim - n_in], *out_shape).astype(dtype or x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -73,22 +89,28 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
 def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """SwiGLU: down(silu(x @ gate) * (x @ up)). x: [B, T, D]."""
     with jax.named_scope("mlp"):
-        h = jax.nn.silu(linear(x, w_gate, "btd,df->btf")) * linear(x, w_up, "btd,df->btf")
-        return linear(h, w_down, "btf,fd->btd")
+        h = jax.nn.silu(linear(x, w_gate)) * linear(x, w_up)
+        return linear(h, w_down)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Reference GQA attention.
+def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Reference GQA attention over one or more key blocks sharing one softmax.
 
-    q: [B, T, N, H]; k, v: [B, K, S, H]; mask: bool[B, T, S] (True = visible).
-    Scores and softmax in float32; returns [B, T, N, H] in q.dtype.
+    q: [B, T, N, H]; each block is (k, v, mask) with k, v: [B, K, S_i, H] and
+    mask: bool[B, T, S_i] (True = visible). Decoding attends to two blocks, the cache as it
+    was before this step and the step's own keys, so the cache update is consumed only by
+    the loop carry and XLA writes it in place. Scores and softmax in float32; returns
+    [B, T, N, H] in q.dtype.
     """
     b, t, n, h = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(h))
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    kv = blocks[0][0].shape[1]
+    qg = q.reshape(b, t, kv, n // kv, h) * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
+    scores = [jnp.where(mask[:, None, None, :, :],
+                        jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32),
+                        NEG_INF) for k, _, mask in blocks]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    splits = np.cumsum([k.shape[2] for k, _, _ in blocks])[:-1]
+    out = sum(jnp.einsum("bkgts,bksh->btkgh", p.astype(v.dtype), v,
+                         preferred_element_type=jnp.float32)
+              for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), blocks))
     return out.reshape(b, t, n, h).astype(q.dtype)

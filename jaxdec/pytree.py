@@ -24,21 +24,29 @@ CPU backend streams `x @ W` with W stored (K, N) several times faster than `x @ 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxdec.quant.qarray import QArray
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One declared parameter: shape, one logical axis name per dimension, initializer."""
+    """One declared parameter: shape, one logical axis name per dimension, initializer.
+
+    `n_in` marks a matmul weight (used as `layers.linear(x, w, n_in)`): its first `n_in`
+    dims are contracted. Weight transforms (quantisation) act on exactly these.
+    """
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: str = "normal"  # "normal" (std `scale`), "ones" or "zeros"
     scale: float = 0.02
+    n_in: int | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -105,8 +113,12 @@ def partition_specs(decl: Any, rules: LogicalRules) -> Any:
 
 
 def param_count(tree: Any) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(tree))
+    """Logical parameter count (a quantised matrix counts its K * N weights)."""
+    is_q = lambda x: isinstance(x, QArray)
+    return sum(math.prod(x.shape) if is_q(x) else int(x.size)
+               for x in jax.tree.leaves(tree, is_leaf=is_q))
 
 
 def param_bytes(tree: Any) -> int:
+    """Bytes actually stored (codes, scales and offsets for a quantised matrix)."""
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))

@@ -6,7 +6,11 @@ Invariants:
 - Slots at or past `lengths[b]` hold stale values; attention masks them by position, and
   the next write overwrites them. Rolling a row back (speculative decoding) is therefore
   just lowering `lengths`, with no copy.
-- Tokens whose position is negative are padding: they are not written and not counted.
+- Tokens whose position is negative are padding: they are not counted and never become
+  visible. They (and tokens past the capacity) are written to one extra scratch slot at
+  index `capacity`, which no query sees. Writing there instead of dropping keeps every
+  scatter index in bounds, so XLA updates the buffer in place: a dropped write compiled
+  to read-old/select/write plus three copies of each layer's buffer per decode step.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from jaxdec.config import ModelConfig
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVLayer:
-    k: jax.Array  # [B, K, S, H]
-    v: jax.Array  # [B, K, S, H]
+    k: jax.Array  # [B, K, S + 1, H]: S usable slots, then the scratch slot
+    v: jax.Array  # [B, K, S + 1, H]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["layers", "lengths"], meta_fields=[])
@@ -35,6 +39,10 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        return self.n_slots - 1
+
+    @property
+    def n_slots(self) -> int:
         return self.layers[0].k.shape[2]
 
     @property
@@ -43,19 +51,20 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, max_len + 1, cfg.head_dim)
     layer = lambda: KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return KVCache(layers=tuple(layer() for _ in range(cfg.n_layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def write(layer: KVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVLayer:
-    """Scatter new keys/values ([B, T, K, H]) into their slots; padding is dropped."""
+    """Scatter new keys/values ([B, T, K, H]) into their slots; padding goes to scratch."""
     b, _ = positions.shape
-    capacity = layer.k.shape[2]
-    slots = jnp.where(positions >= 0, positions, capacity)  # out of range -> dropped
+    capacity = layer.k.shape[2] - 1
+    slots = jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
-    put = lambda buf, new: buf.at[rows, :, slots, :].set(new.astype(buf.dtype), mode="drop")
+    put = lambda buf, new: buf.at[rows, :, slots, :].set(new.astype(buf.dtype),
+                                                         mode="promise_in_bounds")
     return KVLayer(k=put(layer.k, k), v=put(layer.v, v))
 
 
@@ -64,7 +73,11 @@ def advance(lengths: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.maximum(lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
 
 
-def visible(positions: jax.Array, capacity: int) -> jax.Array:
-    """bool[B, T, S]: query at position p sees slots 0..p (causal over the cache)."""
-    slots = jnp.arange(capacity)
-    return (slots[None, None, :] <= positions[:, :, None]) & (positions[:, :, None] >= 0)
+def before(lengths: jax.Array, positions: jax.Array, n_slots: int) -> jax.Array:
+    """bool[B, T, n_slots]: the cached slots a chunk of queries sees, those filled before
+    the chunk: below both the row's length and the chunk's first position (the chunk's own
+    keys are attended separately). Padding queries see nothing, nobody sees scratch."""
+    first = jnp.min(jnp.where(positions >= 0, positions, n_slots), axis=1)
+    end = jnp.minimum(lengths, first)
+    slots = jnp.arange(n_slots)[None, None, :]
+    return (slots < end[:, None, None]) & (positions[:, :, None] >= 0)

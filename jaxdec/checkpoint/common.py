@@ -9,6 +9,7 @@ builder, `jaxdec info`, `jaxdec convert`) reads only this.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -27,12 +28,16 @@ class Checkpoint:
       - each tensor is a float32 `np.ndarray` with the shape `hf_tensor_shapes` gives
         (`[out, in]` for linear weights, `[V, D]` for the embedding).
       - `tensor_types` has the same keys; values name the stored type ('Q4_1', 'BF16', ...).
+      - `blocks` (optional) maps some linear weights' names to a `QArray` of the [in, out]
+        matrix holding exactly the same values: a GGUF file's own Q4/Q8 blocks, kept so
+        a quantised load can use them instead of requantising.
     """
 
     config: ModelConfig
     tensors: dict[str, np.ndarray]
     tokenizer: Tokenizer
     tensor_types: dict[str, str]
+    blocks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

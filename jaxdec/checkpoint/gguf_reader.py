@@ -27,6 +27,7 @@ from jaxdec.checkpoint.common import Checkpoint, hf_tensor_shapes, missing_tenso
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.config import ModelConfig, RopeScaling
 from jaxdec.errors import JaxdecError
+from jaxdec.quant.gguf_blocks import gguf_block_bits, qarray_from_gguf
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _Q = gguf.GGMLQuantizationType
@@ -306,10 +307,12 @@ def _check_tensors(header: GgufHeader, cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def read_gguf(path: str | pathlib.Path, *, progress=None) -> Checkpoint:
+def read_gguf(path: str | pathlib.Path, *, progress=None, keep_blocks: bool = False) -> Checkpoint:
     """A GGUF file (architectures 'llama', 'qwen2') as a `Checkpoint` of float32 HF tensors.
 
-    `progress(done, total)`, if given, is called after each tensor is dequantized.
+    `progress(done, total)`, if given, is called after each tensor is dequantized. With
+    `keep_blocks`, linear weights stored as Q8_0 / Q4_0 / Q4_1 also come back as exact
+    `QArray`s in `Checkpoint.blocks`.
 
     Every user-facing problem (missing/truncated/corrupt file, unsupported architecture,
     tokenizer or tensor type, missing tensors) is a one-line JaxdecError.
@@ -329,20 +332,46 @@ def read_gguf(path: str | pathlib.Path, *, progress=None) -> Checkpoint:
         except ValueError as e:
             raise JaxdecError(f"{header.path}: invalid model metadata ({e})") from None
         names = _check_tensors(header, cfg)
-        tensors = {}
+        tensors, blocks = {}, {}
         for name, hf in names.items():
             tensors[hf] = _load_tensor(buf, header.tensors[name], hf, cfg)
+            if keep_blocks and tensors[hf].ndim == 2:
+                qa = _load_blocks(buf, header.tensors[name], hf, cfg)
+                if qa is not None:
+                    blocks[hf] = qa
             if progress is not None:
                 progress(len(tensors), len(names))
     types = {hf: header.tensors[name].type_name for name, hf in names.items()}
-    return validate(Checkpoint(config=cfg, tensors=tensors, tokenizer=tok, tensor_types=types),
-                    str(header.path))
+    return validate(Checkpoint(config=cfg, tensors=tensors, tokenizer=tok, tensor_types=types,
+                               blocks=blocks), str(header.path))
 
 
 def _load_tensor(buf, info: GgufTensorInfo, hf: str, cfg: ModelConfig) -> np.ndarray:
     w = _dequantize(buf, info)
+    heads = _permuted_heads(hf, cfg)
+    return w if heads is None else _unpermute_rows(w, heads)
+
+
+def _permuted_heads(hf: str, cfg: ModelConfig) -> int | None:
+    """llama.cpp permutes the rows of llama q/k projections; the head count to undo it."""
     if cfg.arch == "llama" and ".self_attn.q_proj." in hf:
-        return _unpermute_rows(w, cfg.n_heads)
+        return cfg.n_heads
     if cfg.arch == "llama" and ".self_attn.k_proj." in hf:
-        return _unpermute_rows(w, cfg.n_kv_heads)
-    return w
+        return cfg.n_kv_heads
+    return None
+
+
+def _load_blocks(buf, info: GgufTensorInfo, hf: str, cfg: ModelConfig):
+    """The tensor's own blocks as a QArray of the [in, out] matrix, or None if its type
+    does not map (rows un-permuted like `_load_tensor`: a permutation of QArray columns)."""
+    if gguf_block_bits(info.qtype) is None:
+        return None
+    out_dim, in_dim = info.shape
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+    qa = qarray_from_gguf(raw.reshape(out_dim, -1), info.qtype, out_dim, in_dim)
+    heads = _permuted_heads(hf, cfg)
+    if qa is None or heads is None:
+        return qa
+    cols = _unpermute_rows(np.arange(out_dim), heads)
+    take = lambda a: None if a is None else np.ascontiguousarray(a[:, cols])
+    return dataclasses.replace(qa, q=take(qa.q), scale=take(qa.scale), offset=take(qa.offset))

@@ -35,7 +35,7 @@ def is_checkpoint(path: pathlib.Path) -> bool:
 
 
 def save(path, params, cfg: ModelConfig, tokenizer, *, source: str = "",
-         tensor_types: dict[str, str] | None = None) -> pathlib.Path:
+         tensor_types: dict[str, str] | None = None, extra: dict | None = None) -> pathlib.Path:
     import orbax.checkpoint as ocp
 
     dest = pathlib.Path(path).absolute()
@@ -48,9 +48,9 @@ def save(path, params, cfg: ModelConfig, tokenizer, *, source: str = "",
         checkpointer.save(tmp / "params", params)
         checkpointer.wait_until_finished()
         tokenizer.save(tmp)
-        dtype = str(jax.tree.leaves(params)[0].dtype)
+        dtype = str(params.final_norm.dtype)
         meta = {"format": FORMAT, "config": json.loads(cfg.to_json()), "dtype": dtype,
-                "source": source, "tensor_types": tensor_types or {}}
+                "source": source, "tensor_types": tensor_types or {}, **(extra or {})}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         _swap_into_place(tmp, dest)
     finally:

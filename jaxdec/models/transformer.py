@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec import layers
+from jaxdec import layers, quant
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
 from jaxdec.pytree import ParamSpec
@@ -60,21 +60,21 @@ def declare(cfg: ModelConfig) -> Params:
                                 if cfg.qkv_bias else None)
     layer = LayerParams(
         attn_norm=norm,
-        wq=ParamSpec((d, n, h), ("embed", "q_heads", "head_dim")),
-        wk=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim")),
-        wv=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim")),
-        wo=ParamSpec((n, h, d), ("q_heads", "head_dim", "embed")),
+        wq=ParamSpec((d, n, h), ("embed", "q_heads", "head_dim"), n_in=1),
+        wk=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim"), n_in=1),
+        wv=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim"), n_in=1),
+        wo=ParamSpec((n, h, d), ("q_heads", "head_dim", "embed"), n_in=2),
         bq=bias(n, "q_heads"), bk=bias(k, "kv_heads"), bv=bias(k, "kv_heads"),
         mlp_norm=norm,
-        w_gate=ParamSpec((d, f), ("embed", "mlp")),
-        w_up=ParamSpec((d, f), ("embed", "mlp")),
-        w_down=ParamSpec((f, d), ("mlp", "embed")),
+        w_gate=ParamSpec((d, f), ("embed", "mlp"), n_in=1),
+        w_up=ParamSpec((d, f), ("embed", "mlp"), n_in=1),
+        w_down=ParamSpec((f, d), ("mlp", "embed"), n_in=1),
     )
     return Params(
         embed=None if cfg.tie_embeddings else ParamSpec((v, d), ("vocab", "embed")),
         layers=tuple(layer for _ in range(cfg.n_layers)),
         final_norm=norm,
-        lm_head=ParamSpec((d, v), ("embed", "vocab")),
+        lm_head=ParamSpec((d, v), ("embed", "vocab"), n_in=1),
     )
 
 
@@ -82,28 +82,28 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """[B, T] -> [B, T, D]. A tied model reads the columns of the LM head."""
     if params.embed is not None:
         return jnp.take(params.embed, tokens, axis=0)
+    if isinstance(params.lm_head, quant.QArray):
+        dtype = params.final_norm.dtype
+        return jnp.moveaxis(quant.take_columns(params.lm_head, tokens), 0, -1).astype(dtype)
     return jnp.moveaxis(jnp.take(params.lm_head, tokens, axis=1), 0, -1)
 
 
-def attention_block(x, p: LayerParams, positions, kv: dense.KVLayer | None, cfg: ModelConfig):
-    """x: [B, T, D] -> ([B, T, D], updated cache layer)."""
+def attention_block(x, p: LayerParams, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig):
+    """x: [B, T, D] -> ([B, T, D], updated cache layer). `past` (bool[B, T, S]) marks the
+    cache slots each query sees besides the chunk itself (None without a cache)."""
     with jax.named_scope("attention"):
-        q = layers.linear(x, p.wq, "btd,dnh->btnh")
-        k = layers.linear(x, p.wk, "btd,dkh->btkh")
-        v = layers.linear(x, p.wv, "btd,dkh->btkh")
+        q, k, v = layers.linear(x, p.wq), layers.linear(x, p.wk), layers.linear(x, p.wv)
         if p.bq is not None:
             q, k, v = q + p.bq, k + p.bk, v + p.bv
         inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         q, k = layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
-        if kv is None:  # attend within the chunk: keys are the chunk itself
-            keys, values = k.swapaxes(1, 2), v.swapaxes(1, 2)
-            mask = _chunk_mask(positions)
-        else:
+        chunk = (k.swapaxes(1, 2), v.swapaxes(1, 2), _chunk_mask(positions))
+        if kv is None:  # attend within the chunk only
+            out = layers.attention(q, chunk)
+        else:  # the cache as it was before this chunk, then the chunk itself
+            out = layers.attention(q, (kv.k, kv.v, past), chunk)
             kv = dense.write(kv, k, v, positions)
-            keys, values = kv.k, kv.v
-            mask = dense.visible(positions, kv.k.shape[2])
-        out = layers.attention(q, keys, values, mask)
-        return layers.linear(out, p.wo, "btnh,nhd->btd"), kv
+        return layers.linear(out, p.wo, n_in=2), kv
 
 
 def _chunk_mask(positions: jax.Array) -> jax.Array:
@@ -112,8 +112,9 @@ def _chunk_mask(positions: jax.Array) -> jax.Array:
     return (k <= q) & (k >= 0) & (q >= 0)
 
 
-def decoder_layer(x, p: LayerParams, positions, kv, cfg: ModelConfig):
-    h, kv = attention_block(layers.rms_norm(x, p.attn_norm, cfg.norm_eps), p, positions, kv, cfg)
+def decoder_layer(x, p: LayerParams, positions, kv, past, cfg: ModelConfig):
+    h, kv = attention_block(layers.rms_norm(x, p.attn_norm, cfg.norm_eps), p, positions, kv,
+                            past, cfg)
     x = x + h
     x = x + layers.gated_mlp(layers.rms_norm(x, p.mlp_norm, cfg.norm_eps),
                              p.w_gate, p.w_up, p.w_down)
@@ -123,10 +124,12 @@ def decoder_layer(x, p: LayerParams, positions, kv, cfg: ModelConfig):
 def hidden(params: Params, tokens, positions, cache: dense.KVCache | None, cfg: ModelConfig):
     """Final-norm hidden states [B, T, D] and the updated cache."""
     x = embed(params, tokens)
+    past = None if cache is None else dense.before(cache.lengths, positions, cache.n_slots)
     new_layers = []
     for i, p in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
+        kv = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer_{i}"):
-            x, kv = decoder_layer(x, p, positions, None if cache is None else cache.layers[i], cfg)
+            x, kv = decoder_layer(x, p, positions, kv, past, cfg)
         new_layers.append(kv)
     x = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
     if cache is None:
@@ -138,7 +141,7 @@ def hidden(params: Params, tokens, positions, cache: dense.KVCache | None, cfg: 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:
     """[..., D] -> float32 logits [..., V]."""
     with jax.named_scope("lm_head"):
-        return jnp.einsum("...d,dv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
+        return layers.linear(h, params.lm_head, dtype=jnp.float32)
 
 
 def forward(params: Params, tokens, positions, cache, cfg: ModelConfig):
@@ -147,31 +150,45 @@ def forward(params: Params, tokens, positions, cache, cfg: ModelConfig):
     return logits_from_hidden(params, h), cache
 
 
-def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
-    """Build Params from Hugging Face-named tensors (HF shapes: linear weights [out, in])."""
+def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
+                   blocks: dict[str, quant.QArray] | None = None) -> Params:
+    """Build Params from Hugging Face-named tensors (HF shapes: linear weights [out, in]).
+
+    A linear weight named in `blocks` (a `QArray` of the [in, out] matrix) is used as it
+    is, reshaped to the declared logical shape; the other weights are cast to `dtype`.
+    """
     d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    blocks = blocks or {}
     arr = lambda a: jnp.asarray(np.asarray(a, np.float32), dtype)
 
+    def matrix(name: str, shape: tuple[int, ...], n_in: int = 1):
+        if name in blocks:
+            qa = blocks[name]
+            return dataclasses.replace(jax.tree.map(jnp.asarray, qa), shape=shape, n_in=n_in)
+        return arr(np.ascontiguousarray(tensors[name].T).reshape(shape))
+
     def layer(i: int) -> LayerParams:
-        t = lambda name: tensors[f"model.layers.{i}.{name}"]
+        pre = f"model.layers.{i}."
+        t = lambda name: tensors[pre + name]
         bias = lambda name, heads: arr(t(name).reshape(heads, h)) if cfg.qkv_bias else None
         return LayerParams(
             attn_norm=arr(t("input_layernorm.weight")),
-            wq=arr(t("self_attn.q_proj.weight").T.reshape(d, n, h)),
-            wk=arr(t("self_attn.k_proj.weight").T.reshape(d, k, h)),
-            wv=arr(t("self_attn.v_proj.weight").T.reshape(d, k, h)),
-            wo=arr(t("self_attn.o_proj.weight").T.reshape(n, h, d)),
+            wq=matrix(pre + "self_attn.q_proj.weight", (d, n, h)),
+            wk=matrix(pre + "self_attn.k_proj.weight", (d, k, h)),
+            wv=matrix(pre + "self_attn.v_proj.weight", (d, k, h)),
+            wo=matrix(pre + "self_attn.o_proj.weight", (n, h, d), n_in=2),
             bq=bias("self_attn.q_proj.bias", n), bk=bias("self_attn.k_proj.bias", k),
             bv=bias("self_attn.v_proj.bias", k),
             mlp_norm=arr(t("post_attention_layernorm.weight")),
-            w_gate=arr(t("mlp.gate_proj.weight").T), w_up=arr(t("mlp.up_proj.weight").T),
-            w_down=arr(t("mlp.down_proj.weight").T),
+            w_gate=matrix(pre + "mlp.gate_proj.weight", (d, cfg.d_ff)),
+            w_up=matrix(pre + "mlp.up_proj.weight", (d, cfg.d_ff)),
+            w_down=matrix(pre + "mlp.down_proj.weight", (cfg.d_ff, d)),
         )
 
-    head = tensors["model.embed_tokens.weight"] if cfg.tie_embeddings else tensors["lm_head.weight"]
+    head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
     return Params(
         embed=None if cfg.tie_embeddings else arr(tensors["model.embed_tokens.weight"]),
         layers=tuple(layer(i) for i in range(cfg.n_layers)),
         final_norm=arr(tensors["model.norm.weight"]),
-        lm_head=arr(np.ascontiguousarray(head.T)),
+        lm_head=matrix(head, (d, cfg.vocab_size)),
     )

@@ -1,0 +1,289 @@
+"""`QArray`: a group-wise quantised weight matrix as a pytree, with its quantisers.
+
+A `QArray` stands for one logical weight W used as `x @ W`: its leading `n_in` dims are
+contracted (K = their product), its trailing dims are the output (N = their product). It
+is stored flattened to [K, N] with one (scale, offset) pair per group of `group_size`
+consecutive rows of one column:
+
+    W[k, n] = f32(q[k, n]) * f32(scale[k // g, n]) + f32(offset[k // g, n])
+
+(the offset term is dropped when `offset` is None). `matmul_reference` is the numerical
+truth every kernel is checked against. Letters: K contracted dim, N output dim, G = K // g
+groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdec.errors import JaxdecError
+
+F16_MAX = 65504.0
+# bits, symmetric -> (lowest code, highest code, code dtype) of the values fed to round().
+_CODES = {
+    (8, True): (-127, 127, jnp.int8),
+    (8, False): (-128, 127, jnp.int8),
+    (4, True): (-8, 7, jnp.uint8),   # stored as code + 8 in 0..15; offset = -8 * scale
+    (4, False): (0, 15, jnp.uint8),
+}
+_NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "offset"],
+         meta_fields=["bits", "group_size", "shape", "n_in"])
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """A quantised weight W of logical shape `shape`, stored as [K, N] = [prod(shape[:n_in]),
+    prod(shape[n_in:])].
+
+    Invariants (checked by `validate`, never in the constructor, so that jax can rebuild
+    the pytree with placeholder leaves):
+    - `bits` is 4 or 8; `shape` is a tuple of positive ints; 1 <= n_in < len(shape).
+    - `group_size` g is a positive int dividing K; for bits=4 it is even.
+    - bits=8: `q` is int8[K, N] (values -128..127; the quantisers write -127..127 when
+      symmetric). bits=4: `q` is uint8[K // 2, N], two unsigned 4-bit codes per byte packed
+      along K: byte (i, n) holds row 2i in its low nibble and row 2i+1 in its high nibble.
+    - `scale` is float16[K // g, N]; `offset` is None or float16[K // g, N]. The offset is
+      the zero point pre-multiplied by the scale (offset = -zero_point * scale, GGUF Q4_1's
+      `m`), so dequantisation is one multiply-add in float32 (see the module docstring).
+    - Scales may be negative or zero (GGUF Q4_0 blocks have signed scales).
+    Leaves may be numpy or jax arrays (or `jax.ShapeDtypeStruct`s under `eval_shape`).
+    """
+
+    q: Any               # bits=8: i8[K, N]; bits=4: u8[K // 2, N]
+    scale: Any           # f16[G, N]
+    offset: Any | None   # f16[G, N] or None
+    bits: int
+    group_size: int
+    shape: tuple[int, ...]
+    n_in: int = 1
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[:self.n_in])
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[self.n_in:])
+
+    @property
+    def k(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def n_groups(self) -> int:
+        return self.k // self.group_size
+
+    @property
+    def has_offset(self) -> bool:
+        """False only for symmetric int8 (4-bit symmetric stores offset = -8 * scale)."""
+        return self.offset is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored: codes, scales and offsets."""
+        leaves = [self.q, self.scale] + ([] if self.offset is None else [self.offset])
+        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+
+
+def _fail(msg: str):
+    raise JaxdecError(f"invalid QArray: {msg}")
+
+
+def _check_array(name: str, x: Any, dtype, shape: tuple[int, ...]):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        _fail(f"{name} is a {type(x).__name__}, not an array")
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        _fail(f"{name} has dtype {np.dtype(x.dtype).name}, expected {np.dtype(dtype).name}")
+    if tuple(x.shape) != shape:
+        _fail(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+
+
+def _check_meta(qa: QArray):
+    if qa.bits not in (4, 8):
+        _fail(f"bits={qa.bits!r}, expected 4 or 8")
+    shape = qa.shape
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) and d > 0 for d in shape):
+        _fail(f"shape {shape!r} is not a tuple of positive ints")
+    if not isinstance(qa.n_in, int) or not 1 <= qa.n_in < len(shape):
+        _fail(f"n_in={qa.n_in!r} must be in [1, {len(shape) - 1}] for shape {shape}")
+    g = qa.group_size
+    if not isinstance(g, int) or g <= 0 or qa.k % g:
+        _fail(f"group_size={g!r} does not divide K={qa.k}")
+    if qa.bits == 4 and g % 2:
+        _fail(f"group_size={g} must be even for 4-bit packing")
+
+
+def validate(qa: QArray) -> QArray:
+    """Check every invariant of the class docstring; raise `JaxdecError` naming the first
+    broken one. Works on concrete arrays, tracers and ShapeDtypeStructs. Returns `qa`."""
+    if not isinstance(qa, QArray):
+        _fail(f"expected a QArray, got {type(qa).__name__}")
+    _check_meta(qa)
+    k, n, groups = qa.k, qa.n, qa.n_groups
+    if qa.bits == 8:
+        _check_array("q", qa.q, np.int8, (k, n))
+    else:
+        _check_array("q", qa.q, np.uint8, (k // 2, n))
+    _check_array("scale", qa.scale, np.float16, (groups, n))
+    if qa.offset is not None:
+        _check_array("offset", qa.offset, np.float16, (groups, n))
+    return qa
+
+
+# ---- 4-bit packing --------------------------------------------------------------------------
+def pack_int4(codes):
+    """u8[K, ...] codes in 0..15 -> u8[K // 2, ...]: row 2i in the low nibble, 2i+1 high.
+    Works on numpy arrays (returns numpy) and jax arrays (returns jax)."""
+    if codes.shape[0] % 2:
+        raise JaxdecError(f"pack_int4: leading dim {codes.shape[0]} is odd")
+    pairs = codes.astype(np.uint8).reshape(codes.shape[0] // 2, 2, *codes.shape[1:])
+    return (pairs[:, 0] & 0x0F) | (pairs[:, 1] << 4)
+
+
+def unpack_int4(q):
+    """u8[K // 2, ...] -> u8[K, ...], the inverse of `pack_int4` (numpy or jax, like it)."""
+    shifts = _NIBBLE_SHIFTS.reshape(1, 2, *([1] * (q.ndim - 1)))
+    codes = (q[:, None] >> shifts) & 0x0F
+    return codes.reshape(2 * q.shape[0], *q.shape[1:])
+
+
+# ---- dequantisation -------------------------------------------------------------------------
+def _dequant_rows(q, scale, offset, bits: int, group_size: int):
+    """q: i8[K, ...] or u8[K // 2, ...]; scale/offset: f16[G, ...] -> f32[K, ...]."""
+    codes = unpack_int4(q) if bits == 4 else q
+    k, rest = codes.shape[0], codes.shape[1:]
+    codes = jnp.asarray(codes).astype(jnp.float32).reshape(k // group_size, group_size, *rest)
+    w = codes * jnp.asarray(scale).astype(jnp.float32)[:, None]
+    if offset is not None:
+        w = w + jnp.asarray(offset).astype(jnp.float32)[:, None]
+    return w.reshape(k, *rest)
+
+
+def dequantize(qa: QArray, dtype=jnp.float32) -> jax.Array:
+    """The logical weight, shape `qa.shape`, computed in float32 then cast to `dtype`."""
+    w = _dequant_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)
+    return w.reshape(qa.shape).astype(dtype)
+
+
+def matmul_reference(x, qa: QArray) -> jax.Array:
+    """x[..., K] @ W -> f32[..., N]: dequantise, then one float32 dot at highest precision.
+    The portable path and the numerical truth for the quantised-matmul kernels."""
+    validate(qa)
+    x = jnp.asarray(x)
+    if x.shape[-1] != qa.k:
+        raise JaxdecError(f"matmul_reference: x has {x.shape[-1]} features, QArray K={qa.k}")
+    w = _dequant_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)  # f32[K, N]
+    return jnp.dot(x.astype(jnp.float32), w,
+                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def take_columns(qa: QArray, idx) -> jax.Array:
+    """W[:, idx] over the flattened N axis -> f32[K, *idx.shape], dequantising only those
+    columns (a tied-embedding lookup from a quantised LM head [D, V])."""
+    idx = jnp.asarray(idx)
+    offset = None if qa.offset is None else jnp.asarray(qa.offset)[:, idx]
+    return _dequant_rows(jnp.asarray(qa.q)[:, idx], jnp.asarray(qa.scale)[:, idx], offset,
+                         qa.bits, qa.group_size)
+
+
+# ---- quantisation ---------------------------------------------------------------------------
+def _f16_toward(x, up: bool):
+    """float32 -> the nearest float16 on one side (>= x when up, <= x when down), clamped
+    to the finite float16 range."""
+    x16 = x.astype(jnp.float16)
+    back = x16.astype(jnp.float32)
+    wrong = back < x if up else back > x
+    target = jnp.float16(jnp.inf if up else -jnp.inf)
+    x16 = jnp.where(wrong, jnp.nextafter(x16, target), x16)
+    return jnp.clip(x16, -F16_MAX, F16_MAX).astype(jnp.float16)
+
+
+def _symmetric_scale(groups, lo: int, hi: int):
+    """f32[G, g, N] -> f16[G, N] with every w / scale in [lo, hi] before rounding; rounded
+    up to float16 so that holds for the stored scale."""
+    top = jnp.maximum(groups.max(axis=1) / hi, groups.min(axis=1) / lo)
+    top = jnp.maximum(top, 0.0)
+    if lo == -8:  # 4-bit: keep offset = -8 * scale finite in float16
+        top = jnp.minimum(top, F16_MAX / 8)
+    return _f16_toward(top, up=True)
+
+
+def _asymmetric_params(groups, lo: int, hi: int):
+    """f32[G, g, N] -> (scale, offset) f16[G, N]. The offset is rounded down to float16
+    first, then the scale (rounded up) is chosen to cover [min, max] from that offset."""
+    gmin, gmax = groups.min(axis=1), groups.max(axis=1)
+    ideal = (gmax - gmin) / (hi - lo)
+    offset = _f16_toward(gmin - lo * ideal, up=False)
+    off32 = offset.astype(jnp.float32)
+    span = (gmax - off32) / hi
+    if lo < 0:
+        span = jnp.maximum(span, (gmin - off32) / lo)
+    return _f16_toward(jnp.maximum(span, 0.0), up=True), offset
+
+
+def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = None,
+             n_in: int = 1) -> QArray:
+    """Round-to-nearest group-wise quantisation of a float weight of logical shape w.shape
+    (its leading `n_in` dims contracted). Pure jnp: jit it with the keywords static.
+
+    - bits=8, symmetric (default): scale = absmax / 127, q in -127..127, no offset.
+    - bits=8, asymmetric: q in -128..127 with an offset.
+    - bits=4, asymmetric (default, GGUF Q4_1-like): q in 0..15, offset ~ group min.
+    - bits=4, symmetric (GGUF Q4_0-like): q = round(w / scale) + 8, offset = -8 * scale.
+    Scales are computed in float32 and rounded UP to float16 (offsets down, for the
+    asymmetric case) before q is computed, so |dequantize(qa) - w| <= stored scale / 2 up
+    to float32 rounding. A zero scale (constant group) gives q = 0, never NaN. Groups whose
+    scale would overflow float16 are clamped (finite, but then outside that bound).
+    """
+    shape = tuple(int(d) for d in jnp.shape(w))
+    symmetric = (bits == 8) if symmetric is None else bool(symmetric)
+    k, n = _check_quantize_args(shape, bits, group_size, n_in)
+    lo, hi, code_dtype = _CODES[(bits, symmetric)]
+    groups = jnp.asarray(w).astype(jnp.float32).reshape(k // group_size, group_size, n)
+    if symmetric:
+        scale = _symmetric_scale(groups, lo, hi)
+        codes = _round_codes(groups, scale, None, lo, hi)
+        offset = None if bits == 8 else (scale.astype(jnp.float32) * lo).astype(jnp.float16)
+    else:
+        scale, offset = _asymmetric_params(groups, lo, hi)
+        codes = _round_codes(groups, scale, offset, lo, hi)
+    codes = codes.reshape(k, n)
+    if bits == 4:
+        codes = pack_int4(codes - lo)  # 0..15 (lo is 0 when asymmetric)
+    qa = QArray(q=codes.astype(code_dtype), scale=scale, offset=offset, bits=bits,
+                group_size=group_size, shape=shape, n_in=n_in)
+    return validate(qa)
+
+
+def _check_quantize_args(shape: tuple[int, ...], bits: int, group_size: int,
+                         n_in: int) -> tuple[int, int]:
+    """(K, N) for a weight of logical `shape`, or a JaxdecError naming the bad argument."""
+    if bits not in (4, 8):
+        raise JaxdecError(f"quantize: bits={bits!r}, expected 4 or 8")
+    if not 1 <= n_in < len(shape):
+        raise JaxdecError(f"quantize: n_in={n_in} must be in [1, {len(shape) - 1}] for {shape}")
+    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    if group_size <= 0 or k % group_size or (bits == 4 and group_size % 2):
+        raise JaxdecError(f"quantize: group_size={group_size} must divide K={k}"
+                          + (" and be even" if bits == 4 else ""))
+    return k, n
+
+
+def _round_codes(groups, scale, offset, lo: int, hi: int):
+    """f32[G, g, N] -> i32 codes round((w - offset) / scale) in [lo, hi], against the
+    stored f16 scale and offset (None: no offset)."""
+    x = groups if offset is None else groups - offset.astype(jnp.float32)[:, None]
+    s = scale.astype(jnp.float32)[:, None]
+    return jnp.clip(jnp.round(x / jnp.where(s == 0, 1.0, s)), lo, hi).astype(jnp.int32)
