@@ -30,6 +30,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2",
                    help="smollm2, qwen2.5-coder-0.5b, a .gguf file, a HF dir or a jaxdec checkpoint")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"],
+                   help="weight format (default: --dtype); int8/int4 are group-wise "
+                        "quantised, gguf keeps the file's own Q4/Q8 blocks")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

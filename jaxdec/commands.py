@@ -52,7 +52,7 @@ class _Printer:
 
 def generate(args) -> int:
     sampler = _sampler(args)
-    model = jaxdec.load(args.model, dtype=args.dtype)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights)
     if args.no_stream:
         t0 = time.perf_counter()
         res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -72,7 +72,7 @@ def generate(args) -> int:
 
 def chat(args) -> int:
     sampler = _sampler(args)
-    model = jaxdec.load(args.model, dtype=args.dtype)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights)
     if not model.tokenizer.chat_template:
         raise JaxdecError(f"{args.model} has no chat template; use `jaxdec generate`")
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -137,7 +137,7 @@ def info(args) -> int:
 def eval(args) -> int:  # noqa: A001 (the subcommand's name)
     from jaxdec import perplexity
 
-    model = jaxdec.load(args.model, dtype=args.dtype)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights)
     t0 = time.perf_counter()
     encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
     result = perplexity.evaluate(lambda toks: api.score(model, toks), encode, args.corpus,

@@ -96,8 +96,8 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
 def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
     """Reference GQA attention over one or more key blocks sharing one softmax.
 
-    q: [B, T, N, H]; each block is (k, v, mask) with k, v: [B, K, S_i, H] and
-    mask: bool[B, T, S_i] (True = visible). Decoding attends to two blocks, the cache as it
+    q: [B, T, N, H]; each block is (k, v, mask) with k: [B, K, S_i, H], v: [B, K, H, S_i]
+    (the dense cache's layouts) and mask: bool[B, T, S_i] (True = visible). Decoding attends to two blocks, the cache as it
     was before this step and the step's own keys, so the cache update is consumed only by
     the loop carry and XLA writes it in place. Scores and softmax in float32; returns
     [B, T, N, H] in q.dtype.
@@ -109,8 +109,8 @@ def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> 
                         jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32),
                         NEG_INF) for k, _, mask in blocks]
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    splits = np.cumsum([k.shape[2] for k, _, _ in blocks])[:-1]
-    out = sum(jnp.einsum("bkgts,bksh->btkgh", p.astype(v.dtype), v,
+    splits = np.cumsum([k.shape[2] for k, _, _ in blocks])[:-1].tolist()
+    out = sum(jnp.einsum("bkgts,bkhs->btkgh", p.astype(v.dtype), v,
                          preferred_element_type=jnp.float32)
               for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), blocks))
     return out.reshape(b, t, n, h).astype(q.dtype)

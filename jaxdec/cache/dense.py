@@ -28,7 +28,8 @@ from jaxdec.config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class KVLayer:
     k: jax.Array  # [B, K, S + 1, H]: S usable slots, then the scratch slot
-    v: jax.Array  # [B, K, S + 1, H]
+    v: jax.Array  # [B, K, H, S + 1]: slots minor, the layout XLA's CPU dot wants for P @ V
+    # (with V stored [.., S, H] it transposed every layer's V on every decode step)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["layers", "lengths"], meta_fields=[])
@@ -52,7 +53,8 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (batch, cfg.n_kv_heads, max_len + 1, cfg.head_dim)
-    layer = lambda: KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    shape_v = (batch, cfg.n_kv_heads, cfg.head_dim, max_len + 1)
+    layer = lambda: KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape_v, dtype))
     return KVCache(layers=tuple(layer() for _ in range(cfg.n_layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -63,9 +65,11 @@ def write(layer: KVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> K
     capacity = layer.k.shape[2] - 1
     slots = jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
-    put = lambda buf, new: buf.at[rows, :, slots, :].set(new.astype(buf.dtype),
-                                                         mode="promise_in_bounds")
-    return KVLayer(k=put(layer.k, k), v=put(layer.v, v))
+    put_k = lambda buf, new: buf.at[rows, :, slots, :].set(new.astype(buf.dtype),
+                                                           mode="promise_in_bounds")
+    put_v = lambda buf, new: buf.at[rows, :, :, slots].set(new.astype(buf.dtype),
+                                                           mode="promise_in_bounds")
+    return KVLayer(k=put_k(layer.k, k), v=put_v(layer.v, v))
 
 
 def advance(lengths: jax.Array, positions: jax.Array) -> jax.Array:

@@ -97,7 +97,7 @@ def attention_block(x, p: LayerParams, positions, kv: dense.KVLayer | None, past
             q, k, v = q + p.bq, k + p.bk, v + p.bv
         inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         q, k = layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
-        chunk = (k.swapaxes(1, 2), v.swapaxes(1, 2), _chunk_mask(positions))
+        chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), _chunk_mask(positions))
         if kv is None:  # attend within the chunk only
             out = layers.attention(q, chunk)
         else:  # the cache as it was before this chunk, then the chunk itself
