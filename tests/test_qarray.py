@@ -18,15 +18,14 @@ from jaxdec.errors import JaxdecError
 from jaxdec.quant import (
     QArray,
     dequantize,
-    gguf_block_bits,
     matmul_reference,
     pack_int4,
-    qarray_from_gguf,
     quantize,
     take_columns,
     unpack_int4,
     validate,
 )
+from jaxdec.quant.gguf_blocks import gguf_block_bits, qarray_from_gguf
 
 GQ = gguf.GGMLQuantizationType
 MODES = [(8, True), (8, False), (4, False), (4, True)]  # (bits, symmetric)

@@ -1,6 +1,6 @@
-"""Quantised weights: the `QArray` pytree, its quantisers and the GGUF block mapping."""
+"""Quantised weights: the `QArray` pytree and its quantisers (the GGUF block mapping is
+`jaxdec.quant.gguf_blocks`, imported by the GGUF reader only)."""
 
-from jaxdec.quant.gguf_blocks import gguf_block_bits, qarray_from_gguf
 from jaxdec.quant.qarray import (
     QArray,
     dequantize,
@@ -13,6 +13,6 @@ from jaxdec.quant.qarray import (
 )
 
 __all__ = [
-    "QArray", "dequantize", "gguf_block_bits", "matmul_reference", "pack_int4",
-    "qarray_from_gguf", "quantize", "take_columns", "unpack_int4", "validate",
+    "QArray", "dequantize", "matmul_reference", "pack_int4", "quantize", "take_columns",
+    "unpack_int4", "validate",
 ]

@@ -160,7 +160,7 @@ def unpack_int4(q):
 
 
 # ---- dequantisation -------------------------------------------------------------------------
-def _dequant_rows(q, scale, offset, bits: int, group_size: int):
+def dequantize_rows(q, scale, offset, bits: int, group_size: int):
     """q: i8[K, ...] or u8[K // 2, ...]; scale/offset: f16[G, ...] -> f32[K, ...]."""
     codes = unpack_int4(q) if bits == 4 else q
     k, rest = codes.shape[0], codes.shape[1:]
@@ -173,7 +173,7 @@ def _dequant_rows(q, scale, offset, bits: int, group_size: int):
 
 def dequantize(qa: QArray, dtype=jnp.float32) -> jax.Array:
     """The logical weight, shape `qa.shape`, computed in float32 then cast to `dtype`."""
-    w = _dequant_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)
+    w = dequantize_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)
     return w.reshape(qa.shape).astype(dtype)
 
 
@@ -184,7 +184,7 @@ def matmul_reference(x, qa: QArray) -> jax.Array:
     x = jnp.asarray(x)
     if x.shape[-1] != qa.k:
         raise JaxdecError(f"matmul_reference: x has {x.shape[-1]} features, QArray K={qa.k}")
-    w = _dequant_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)  # f32[K, N]
+    w = dequantize_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)  # f32[K, N]
     return jnp.dot(x.astype(jnp.float32), w,
                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -194,7 +194,7 @@ def take_columns(qa: QArray, idx) -> jax.Array:
     columns (a tied-embedding lookup from a quantised LM head [D, V])."""
     idx = jnp.asarray(idx)
     offset = None if qa.offset is None else jnp.asarray(qa.offset)[:, idx]
-    return _dequant_rows(jnp.asarray(qa.q)[:, idx], jnp.asarray(qa.scale)[:, idx], offset,
+    return dequantize_rows(jnp.asarray(qa.q)[:, idx], jnp.asarray(qa.scale)[:, idx], offset,
                          qa.bits, qa.group_size)
 
 

@@ -1,0 +1,317 @@
+"""A CPU kernel for matmuls against quantised weights, called from jitted code through XLA FFI.
+
+XLA's CPU backend has no fast path for int8/int4 weights at small batch: it materialises the
+dequantised f32 matrix on every call.  `qmatmul` computes ``x @ W`` straight from the stored
+codes with an AVX-512 (or portable scalar) C++ kernel, multi-threaded over the output columns.
+
+Weight format (shared with the `QArray` type; W is logical [K, N], y = x @ W):
+
+* bits=8: ``q`` int8[K, N]
+* bits=4: ``q`` uint8[K//2, N]; byte (i, n) holds the code of row 2i in its low nibble and of
+  row 2i+1 in its high nibble; codes are unsigned 0..15.
+* ``scale`` float16[K//g, N]; ``offset`` float16[K//g, N] or None.
+* ``W[k, n] = q[k, n] * scale[k // g, n] + offset[k // g, n]``.
+
+The kernel keeps x in f32 (no activation quantisation): its result differs from the float64
+reference by f32 rounding only.
+
+The shared library is compiled on first use with the system C++ compiler into
+``$JAXDEC_KERNEL_CACHE`` (default ``~/.cache/jaxdec/kernels``), under a name keyed by the
+source, the compiler, the flags and the jaxlib version.  When there is no compiler, or the
+build fails, `available()` is False, `reason()` says why, and `qmatmul` uses `qmatmul_xla`.
+
+Environment:
+
+* ``JAXDEC_CPU_KERNEL=0``: never build or use the kernel.
+* ``JAXDEC_CPU_THREADS``: threads per call (default: the CPUs this process may run on).
+* ``JAXDEC_CPU_SPIN_US``: how long idle workers spin before sleeping (default 100).
+* ``JAXDEC_CPU_ADAPTIVE=0``: never fall back to one thread on an oversubscribed machine.
+* ``JAXDEC_QMM_IMPL=scalar``: force the portable path (for tests).
+* ``CXX``: the compiler (default ``g++``, then ``c++``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from jaxdec.quant.qarray import dequantize_rows
+
+__all__ = [
+    "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "set_threads",
+    "set_spin_us", "set_adaptive", "MAX_KERNEL_M",
+]
+
+SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
+TARGET = "jaxdec_qmatmul"
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
+
+# Rows of x (after folding leading dimensions) from which `qmatmul` uses the XLA path
+# (dequantise + dot) instead of the kernel.  Measured with scripts/bench_qmatmul.py on a 2-vCPU
+# Sapphire Rapids: the kernel wins clearly up to M = 64, is level around M = 128..256 and 10-25%
+# slower at M = 512 (both are then FMA-bound on f32; XLA's GEMM blocks better).
+MAX_KERNEL_M = 256
+
+_IMPLS = {"auto": 0, "scalar": 1, "simd": 2}
+
+_lock = threading.Lock()
+_state: dict | None = None
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get("JAXDEC_KERNEL_CACHE")
+    return Path(d) if d else Path.home() / ".cache" / "jaxdec" / "kernels"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else cxx
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def _build(cxx: str, out: Path) -> str | None:
+    """Compiles SOURCE into `out` (atomically); returns an error message or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            tail = (res.stderr or res.stdout).strip().splitlines()[-20:]
+            return f"compiler failed ({' '.join(cmd)}):\n" + "\n".join(tail)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)  # atomic: concurrent builders of the same key both succeed
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"compiler could not run ({' '.join(cmd)}): {e}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> dict:
+    """Builds (if needed), loads and registers the kernel; never raises."""
+    st: dict = {"ok": False, "reason": "", "path": None, "build_s": 0.0, "lib": None}
+    if os.environ.get("JAXDEC_CPU_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
+        st["reason"] = "disabled by JAXDEC_CPU_KERNEL"
+        return st
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as e:
+        st["reason"] = f"kernel source missing: {e}"
+        return st
+    cxx = _compiler()
+    if cxx is None:
+        st["reason"] = "no C++ compiler found (set CXX or install g++)"
+        return st
+    key = hashlib.sha256()
+    for part in (src, _compiler_id(cxx).encode(), cxx.encode(), " ".join(FLAGS).encode(),
+                 jaxlib.__version__.encode(), jax.ffi.include_dir().encode()):
+        key.update(part)
+        key.update(b"\0")
+    path = _cache_dir() / f"qmatmul-{key.hexdigest()[:20]}.so"
+    st["path"] = str(path)
+    try:
+        lib = None
+        if path.exists():
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(path))
+            except OSError:  # a damaged cache entry: build it again
+                lib = None
+        if lib is None:
+            t0 = time.perf_counter()
+            err = _build(cxx, path)
+            st["build_s"] = time.perf_counter() - t0
+            if err:
+                st["reason"] = err
+                return st
+            lib = ctypes.cdll.LoadLibrary(str(path))
+        lib.jaxdec_qmm_raw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_longlong] * 3 + [
+            ctypes.c_int, ctypes.c_longlong, ctypes.c_int]
+        lib.jaxdec_qmm_raw.restype = None
+        lib.jaxdec_qmm_set_min_parallel_bytes.argtypes = [ctypes.c_longlong]
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxdec_qmatmul), platform="cpu")
+    except Exception as e:  # noqa: BLE001 -- any failure means "not available"
+        st["reason"] = f"could not load/register {path}: {type(e).__name__}: {e}"
+        return st
+    st.update(ok=True, lib=lib)
+    return st
+
+
+def _get() -> dict:
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = _load()
+    return _state
+
+
+def available() -> bool:
+    """True when the CPU kernel is built, loaded and registered (builds it on first call)."""
+    return _get()["ok"]
+
+
+def reason() -> str:
+    """Why the kernel is not available ('' when it is)."""
+    return _get()["reason"]
+
+
+def info() -> dict:
+    """Build and runtime facts: ok, reason, path, build_s, simd, threads."""
+    st = _get()
+    out = {k: st[k] for k in ("ok", "reason", "path", "build_s")}
+    if st["ok"]:
+        lib = st["lib"]
+        out["simd"] = bool(lib.jaxdec_qmm_has_simd())
+        out["threads"] = int(lib.jaxdec_qmm_pool_threads())
+        stats = (ctypes.c_longlong * 3)()
+        lib.jaxdec_qmm_stats(stats)
+        # parallel calls so far, how many of them straggled or had the caller preempted, and
+        # how often that made the pool fall back to one thread for a while
+        out["parallel_calls"], out["bad_parallel_calls"], out["serial_fallbacks"] = map(int, stats)
+    return out
+
+
+def set_threads(n: int) -> None:
+    """Caps the threads a call uses (0: all the pool's; the pool size is fixed at first use
+    from JAXDEC_CPU_THREADS or the CPU count)."""
+    if available():
+        _get()["lib"].jaxdec_qmm_set_active_threads(int(n))
+
+
+def set_adaptive(on: bool) -> None:
+    """Whether the pool falls back to one thread while the machine looks oversubscribed
+    (default on; JAXDEC_CPU_ADAPTIVE=0 at load turns it off)."""
+    if available():
+        _get()["lib"].jaxdec_qmm_set_adaptive(int(bool(on)))
+
+
+def set_spin_us(us: int) -> None:
+    """How long idle workers spin for the next call before sleeping."""
+    if available():
+        _get()["lib"].jaxdec_qmm_set_spin_us(int(us))
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA path (the numerical truth; also what runs on GPU/TPU)
+# ---------------------------------------------------------------------------------------------
+
+def dequantize(q, scale, offset=None, *, bits: int, group_size: int = 32,
+               dtype=jnp.float32) -> jax.Array:
+    """W f32[K, N] from the stored codes (see the module docstring for the layout)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    rows = jnp.asarray(q).shape[0] * (2 if bits == 4 else 1)
+    if rows % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K={rows}")
+    return dequantize_rows(jnp.asarray(q), jnp.asarray(scale), offset, bits,
+                           group_size).astype(dtype)
+
+
+def qmatmul_xla(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
+                precision=None) -> jax.Array:
+    """``x @ dequantize(...)`` accumulated in f32 by XLA (any backend)."""
+    w = dequantize(q, scale, offset, bits=bits, group_size=group_size)
+    return jnp.matmul(jnp.asarray(x, jnp.float32), w, precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel path
+# ---------------------------------------------------------------------------------------------
+
+def _check(x, q, scale, offset, bits, group_size):
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if q.ndim != 2 or scale.ndim != 2:
+        raise ValueError(f"q and scale must be 2-D, got {q.shape} and {scale.shape}")
+    K = x.shape[-1]
+    kq = K if bits == 8 else K // 2
+    if (bits == 4 and K % 2) or q.shape[0] != kq:
+        raise ValueError(f"x has K={K} but q has shape {q.shape} for bits={bits}")
+    if group_size <= 0 or K % group_size or (bits == 4 and group_size % 2):
+        raise ValueError(f"group_size {group_size} must divide K={K} (and be even for 4 bits)")
+    N = q.shape[1]
+    if scale.shape != (K // group_size, N):
+        raise ValueError(f"scale shape {scale.shape} != {(K // group_size, N)}")
+    if offset is not None and offset.shape != scale.shape:
+        raise ValueError(f"offset shape {offset.shape} != scale shape {scale.shape}")
+    want_q = jnp.int8 if bits == 8 else jnp.uint8
+    if q.dtype != want_q:
+        raise TypeError(f"bits={bits} codes must be {jnp.dtype(want_q).name}, got {q.dtype}")
+    for name, a in (("scale", scale), ("offset", offset)):
+        if a is not None and a.dtype != jnp.float16:
+            raise TypeError(f"{name} must be float16, got {a.dtype}")
+
+
+def _ffi(x2, q, scale, offset, *, bits, group_size, impl):
+    M, N = x2.shape[0], q.shape[1]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
+                            vmap_method="expand_dims")
+    has_offset = offset is not None
+    # Without an offset the slot gets `scale` again (ignored by the kernel): no dummy buffer.
+    return call(x2, q, scale, offset if has_offset else scale,
+                bits=np.int64(bits), group_size=np.int64(group_size),
+                has_offset=bool(has_offset), impl=np.int64(impl))
+
+
+def qmatmul(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
+            impl: str | None = None) -> jax.Array:
+    """y f32[..., N] = x[..., K] @ W, W stored quantised (layout in the module docstring).
+
+    On CPU this runs the C++ kernel (when `available()` and the folded row count is below
+    MAX_KERNEL_M); on any other backend, or without the kernel, `qmatmul_xla`.  The choice
+    between CPU and other backends is staged with `jax.lax.platform_dependent`, so one jitted
+    program serves both.  Works under jit, inside loops, and under vmap (the kernel folds vmapped
+    rows of x into M when the weights are shared, and loops over batched weights otherwise).
+
+    impl: "auto" (default; JAXDEC_QMM_IMPL overrides), "scalar" (portable C++ loop) or
+    "simd" (AVX-512 when the CPU has it).
+    """
+    x = jnp.asarray(x)
+    q = jnp.asarray(q)
+    scale = jnp.asarray(scale)
+    offset = None if offset is None else jnp.asarray(offset)
+    _check(x, q, scale, offset, bits, group_size)
+    impl = impl or os.environ.get("JAXDEC_QMM_IMPL", "auto") or "auto"
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
+    lead, K, N = x.shape[:-1], x.shape[-1], q.shape[1]
+    M = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    xla = functools.partial(qmatmul_xla, bits=bits, group_size=group_size)
+    if M == 0 or M >= MAX_KERNEL_M or not available():
+        return xla(x, q, scale, offset)
+    x2 = x.astype(jnp.float32).reshape(M, K)
+
+    def cpu(x2, q, scale, offset):
+        return _ffi(x2, q, scale, offset, bits=bits, group_size=group_size, impl=_IMPLS[impl])
+
+    def other(x2, q, scale, offset):
+        return xla(x2, q, scale, offset)
+
+    y = jax.lax.platform_dependent(x2, q, scale, offset, cpu=cpu, default=other)
+    return y.reshape(*lead, N)

@@ -1,0 +1,226 @@
+"""The quantised-matmul CPU kernel (jaxdec.quant.cpu_kernel) against a float64 NumPy reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdec.quant import cpu_kernel as ck
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernel unavailable: {ck.reason()}")
+
+
+def make(M, K, N, bits, g=32, offset=True, seed=0):
+    """Random inputs, none of them zero-filled."""
+    rng = np.random.default_rng(seed + 1000 * M + 7 * K + N + bits)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    if bits == 8:
+        q = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    else:
+        q = rng.integers(0, 256, (K // 2, N), dtype=np.uint8)
+    s = (rng.random((K // g, N)) * 0.02 + 1e-3).astype(np.float16)
+    o = (rng.standard_normal((K // g, N)) * 0.1).astype(np.float16) if offset else None
+    return x, q, s, o
+
+
+def ref_weights(q, s, o, bits, g):
+    """W float64[K, N] from the definition."""
+    if bits == 8:
+        codes = q.astype(np.float64)
+    else:
+        codes = np.empty((2 * q.shape[0], q.shape[1]))
+        codes[0::2] = q & 0xF
+        codes[1::2] = q >> 4
+    w = codes * np.repeat(s.astype(np.float64), g, axis=0)
+    if o is not None:
+        w += np.repeat(o.astype(np.float64), g, axis=0)
+    return w
+
+
+def check(y, x, q, s, o, bits, g):
+    w = ref_weights(q, s, o, bits, g)
+    x64 = np.asarray(x, np.float64)
+    ref = x64 @ w
+    # f32 rounding of sums of K products: bounded relative to sum |x| |W|.
+    bound = np.abs(x64) @ np.abs(w)
+    y = np.asarray(y, np.float64)
+    assert y.shape == ref.shape
+    err = np.abs(y - ref)
+    tol = 2e-6 * bound + 1e-6
+    assert np.all(err <= tol), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
+
+
+SHAPES = [(96, 100), (576, 77), (896, 130), (64, 16), (32, 1)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("M", [1, 3, 8, 64])
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_matches_reference(K, N, M, offset, bits):
+    x, q, s, o = make(M, K, N, bits, offset=offset)
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits))
+    check(f(x, q, s, o), x, q, s, o, bits, 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("M", [1, 5, 12])
+@pytest.mark.parametrize("K,N", [(96, 100), (576, 77)])
+def test_scalar_fallback(K, N, M, offset, bits):
+    x, q, s, o = make(M, K, N, bits, offset=offset, seed=1)
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, impl="scalar"))
+    check(f(x, q, s, o), x, q, s, o, bits, 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("g,K,M", [(16, 96, 3), (64, 576, 9), (2, 8, 2), (6, 36, 1), (512, 1024, 16),
+                                   (512, 1024, 2)])
+def test_group_sizes(g, K, M, bits):
+    """Group sizes other than 32, incl. ones that are not a multiple of 4 rows and ones longer
+    than the kernel's panel (split accumulation)."""
+    x, q, s, o = make(M, K, 70, bits, g=g, offset=True, seed=2)
+    for impl in ("auto", "scalar"):
+        f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, group_size=g, impl=impl))
+        check(f(x, q, s, o), x, q, s, o, bits, g)
+
+
+def test_wide_parallel_and_thread_independence():
+    """A matrix big enough to be split across threads; per-column arithmetic does not depend on
+    the split, so one thread and all threads agree bit for bit."""
+    x, q, s, o = make(2, 576, 4100, 8, offset=True, seed=3)
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=8))
+    y_all = np.asarray(f(x, q, s, o))
+    check(y_all, x, q, s, o, 8, 32)
+    try:
+        ck.set_threads(1)
+        y_one = np.asarray(jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=8) + 0.0)(x, q, s, o))
+    finally:
+        ck.set_threads(0)
+    np.testing.assert_array_equal(y_all, y_one)
+
+
+def test_matches_xla_path():
+    x, q, s, o = make(4, 576, 200, 4, offset=True, seed=4)
+    y = jax.jit(lambda *a: ck.qmatmul(*a, bits=4))(x, q, s, o)
+    y_xla = jax.jit(lambda *a: ck.qmatmul_xla(*a, bits=4, precision=jax.lax.Precision.HIGHEST))(x, q, s, o)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=1e-4, atol=1e-3)
+
+
+def test_inside_while_loop():
+    """Repeated calls in a lax.while_loop body, the input changing each iteration."""
+    K, N = 192, 192
+    x, q, s, o = make(1, K, N, 8, offset=False, seed=5)
+    s = (s.astype(np.float32) * 0.05).astype(np.float16)  # keep the iteration contractive
+
+    def step(carry):
+        i, h = carry
+        y = ck.qmatmul(h, q, s, None, bits=8)
+        return i + 1, jnp.tanh(y)
+
+    out = jax.jit(lambda h: jax.lax.while_loop(lambda c: c[0] < 5, step, (0, h))[1])(x)
+    h = x.astype(np.float64)
+    w = ref_weights(q, s, None, 8, 32)
+    for _ in range(5):
+        h = np.tanh(h @ w)
+    np.testing.assert_allclose(np.asarray(out), h, rtol=1e-4, atol=1e-5)
+
+
+def test_leading_dims_and_vmap():
+    K, N = 96, 50
+    x, q, s, o = make(6, K, N, 4, offset=True, seed=6)
+    x3 = x.reshape(2, 3, K)
+    y = ck.qmatmul(x3, q, s, o, bits=4)
+    assert y.shape == (2, 3, N)
+    check(np.asarray(y).reshape(6, N), x, q, s, o, 4, 32)
+    # vmap over x, weights shared (rows folded into M)
+    yv = jax.jit(jax.vmap(lambda xi: ck.qmatmul(xi, q, s, o, bits=4)))(x3)
+    check(np.asarray(yv).reshape(6, N), x, q, s, o, 4, 32)
+    # vmap over the weights too (per-batch matrices), and over weights only
+    xs, qs, ss, os_ = zip(*[make(3, K, N, 4, offset=True, seed=10 + i) for i in range(2)])
+    xs, qs, ss, os_ = map(np.stack, (xs, qs, ss, os_))
+    yb = jax.jit(jax.vmap(lambda xi, qi, si, oi: ck.qmatmul(xi, qi, si, oi, bits=4)))(xs, qs, ss, os_)
+    for i in range(2):
+        check(np.asarray(yb[i]), xs[i], qs[i], ss[i], os_[i], 4, 32)
+    yw = jax.vmap(lambda qi, si, oi: ck.qmatmul(xs[0], qi, si, oi, bits=4))(qs, ss, os_)
+    for i in range(2):
+        check(np.asarray(yw[i]), xs[0], qs[i], ss[i], os_[i], 4, 32)
+
+
+def _custom_calls(hlo_text):
+    return [line for line in hlo_text.splitlines() if "jaxdec_qmatmul" in line]
+
+
+def test_lowering_cpu_and_cuda():
+    K, N = 96, 40
+    args = (jax.ShapeDtypeStruct((2, K), jnp.float32), jax.ShapeDtypeStruct((K // 2, N), jnp.uint8),
+            jax.ShapeDtypeStruct((K // 32, N), jnp.float16))
+    f = jax.jit(lambda x, q, s: ck.qmatmul(x, q, s, None, bits=4))
+    compiled = f.lower(*args).compile().as_text()
+    assert _custom_calls(compiled), "CPU program should call the kernel"
+    assert "conditional" not in compiled
+    exported = jax.export.export(f, platforms=["cuda"])(*args)
+    text = exported.mlir_module()
+    assert "custom_call" not in text and "dot_general" in text
+
+
+def test_large_m_uses_xla():
+    K, N, M = 64, 32, ck.MAX_KERNEL_M
+    args = (jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((K, N), jnp.int8),
+            jax.ShapeDtypeStruct((K // 32, N), jnp.float16))
+    f = jax.jit(lambda x, q, s: ck.qmatmul(x, q, s, None, bits=8))
+    assert not _custom_calls(f.lower(*args).as_text())
+
+
+def test_bad_arguments():
+    x, q, s, o = make(1, 64, 16, 8)
+    with pytest.raises(TypeError):
+        ck.qmatmul(x, q.view(np.uint8), s, o, bits=8)
+    with pytest.raises(ValueError):
+        ck.qmatmul(x, q, s, o, bits=8, group_size=48)
+    with pytest.raises(ValueError):
+        ck.qmatmul(x[:, :32], q, s, o, bits=8)
+    with pytest.raises(ValueError):
+        ck.qmatmul(x, q, s, o, bits=3)
+    with pytest.raises(TypeError):
+        ck.qmatmul(x, q, s.astype(np.float32), o, bits=8)
+
+
+def test_unavailable_falls_back(tmp_path):
+    """No usable compiler: available() is False with a reason, qmatmul still works (XLA)."""
+    code = (
+        "import numpy as np\n"
+        "from jaxdec.quant import cpu_kernel as ck\n"
+        "assert not ck.available(), ck.info()\n"
+        "assert ck.reason(), 'no reason'\n"
+        "x = np.ones((1, 64), np.float32); q = np.ones((64, 8), np.int8)\n"
+        "s = np.full((2, 8), 0.5, np.float16)\n"
+        "y = np.asarray(ck.qmatmul(x, q, s, None, bits=8))\n"
+        "assert np.allclose(y, 32.0), y\n"
+        "print('REASON:', ck.reason().splitlines()[0])\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), JAXDEC_KERNEL_CACHE=str(tmp_path),
+               JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "REASON: no C++ compiler" in res.stdout
+
+
+def test_independent_calls_in_one_program():
+    """Several independent kernel calls in one jitted program (XLA may run them concurrently;
+    a caller that finds the thread pool busy computes on its own thread)."""
+    mats = [make(2, 576, 1000 + 17 * i, 8 if i % 2 else 4, offset=bool(i % 3), seed=20 + i) for i in range(4)]
+    x = mats[0][0]
+
+    def f(x, ws):
+        return [ck.qmatmul(x, q, s, o, bits=8 if i % 2 else 4) for i, (q, s, o) in enumerate(ws)]
+
+    outs = jax.jit(f)(x, [(q, s, o) for _, q, s, o in mats])
+    for i, (y, (_, q, s, o)) in enumerate(zip(outs, mats)):
+        check(y, x, q, s, o, 8 if i % 2 else 4, 32)
