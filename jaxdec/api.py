@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxdec import decode, quant
 from jaxdec.cache import dense
-from jaxdec.checkpoint import orbax_io, registry
+from jaxdec.checkpoint import orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -91,14 +91,31 @@ def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: st
         raise JaxdecError(f"no such file or directory: {path}")
     if path.is_dir() and orbax_io.is_checkpoint(path):
         model = _load_orbax(path, dt)
-    elif path.is_dir():
+        if weights is None:
+            return model
+        decl = transformer.declare(model.cfg)
+        return dataclasses.replace(model, params=convert.quantize_params(model.params, decl,
+                                                                         weights))
+    cached = params_cache.entry(path, weights, dt) if params_cache.enabled() else None
+    hit = cached and params_cache.load(cached)
+    if hit:
+        cfg, params, tok, types = hit
+        return Model(cfg=cfg, params=params, tokenizer=tok, source=name, tensor_types=types)
+    model = _read(path, name, dt, weights, progress)
+    if cached:
+        params_cache.store(cached, model.cfg, model.params, model.tokenizer, model.tensor_types)
+    return model
+
+
+def _read(path: pathlib.Path, name: str, dtype, weights: str | None, progress) -> Model:
+    """A GGUF file or HF directory, converted to `weights` (see `load`)."""
+    if path.is_dir():
         from jaxdec.checkpoint.hf_reader import read_hf_dir
-        ckpt = read_hf_dir(path)
-        model = _from_checkpoint(ckpt, name, dt, weights)
+        model = _from_checkpoint(read_hf_dir(path), name, dtype, weights)
     else:
         from jaxdec.checkpoint.gguf_reader import read_gguf
         ckpt = read_gguf(path, progress=progress, keep_blocks=weights is not None)
-        model = _from_checkpoint(ckpt, name, dt, weights)
+        model = _from_checkpoint(ckpt, name, dtype, weights)
     if weights is None:
         return model
     decl = transformer.declare(model.cfg)
@@ -260,19 +277,41 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
 
 def _streamed(args, static, stream, chunk: int):
     """Run the generation chunk by chunk, handing each step's ids to `stream(step, ids,
-    active)` while the next chunk is already queued on the device."""
+    active)` while the next chunk is already queued on the device.
+
+    The first id is handed over as soon as the prefill has produced it, before the decode
+    loop is dispatched (and compiled, on a cold cache). Chunks then double from `chunk` up
+    to `_MAX_CHUNK` steps: every dispatch of the loop costs a few milliseconds of fixed
+    overhead, which chunks of 4 did not hide.
+    """
     params, _, _, _, rng, limits = args
     progress, cache = decode.start(*args, **static)
     static = {k: v for k, v in static.items() if k != "max_new_tokens"}
-    done, target = 0, 1
+    done = target = _emit(progress, stream, 0)  # the first id, before the loop is compiled
+    if _finished(progress, done):
+        return progress
+    pending = progress  # the latest dispatched result (the prefill's ids are read already)
     while True:
         target += chunk  # known on the host: no need to wait for the device to pick it
-        nxt, cache = decode.advance(params, cache, progress, rng, limits, target, **static)
-        step = int(progress.step)  # waits for the previous chunk only
-        cols = np.asarray(progress.tokens[:, done:step])
-        for j in range(cols.shape[1]):
-            stream(done + j, cols[:, j], cols[:, j] >= 0)
-        done = step
-        if step >= progress.tokens.shape[1] or not bool(np.any(progress.active)):
-            return progress
-        progress = nxt
+        chunk = min(2 * chunk, _MAX_CHUNK)
+        nxt, cache = decode.advance(params, cache, pending, rng, limits, target, **static)
+        done = _emit(pending, stream, done)  # reads `pending` while `nxt` runs
+        if _finished(pending, done):
+            return pending
+        pending = nxt
+
+
+def _finished(progress, done: int) -> bool:
+    return done >= progress.tokens.shape[1] or not bool(np.any(progress.active))
+
+
+def _emit(progress, stream, done: int) -> int:
+    """Hand the ids of steps [done, progress.step) to `stream`; returns progress.step."""
+    step = int(progress.step)  # waits for this chunk only
+    cols = np.asarray(progress.tokens[:, done:step])
+    for j in range(cols.shape[1]):
+        stream(done + j, cols[:, j], cols[:, j] >= 0)
+    return step
+
+
+_MAX_CHUNK = 32

@@ -80,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fetch", help="download a named model or the evaluation corpora")
     f.add_argument("name", help="qwen2.5-coder-0.5b, smollm2, or corpora")
+
+    b = sub.add_parser("bench", help="decode speed of jaxdec and its peers, side by side")
+    b.add_argument("--model", "-m", default="smollm2")
+    b.add_argument("--weights", default="f32,gguf",
+                   help="comma-separated jaxdec weight formats (f32, bf16, int8, int4, gguf)")
+    b.add_argument("--peers", default="hf,llama.cpp",
+                   help="comma-separated: hf, hf-compile, llama.cpp (empty: none)")
+    b.add_argument("--batches", default="1,8,32,64")
+    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-ttft", action="store_true", help="skip the CLI start-up timings")
+    b.add_argument("--json", default=None, help="write every figure to this file")
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: jaxdec against its peers (see `jaxdec.bench.peers`)."""

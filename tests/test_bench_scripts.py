@@ -1,0 +1,61 @@
+"""The benchmark scripts run (tiny settings), so they cannot rot between measuring sessions."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxdec.bench import decode_bench
+
+
+def test_device_bench_smoke(tmp_path):
+    """scripts/device_bench.py on a tiny config on this machine's backend."""
+    r = subprocess.run([sys.executable, "scripts/device_bench.py", "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "device_bench.json").read_text())
+    assert [row["batch"] for row in report["rows"]] == [1, 2]
+    assert all(row["jaxdec"]["decode_tok_s"] > 0 for row in report["rows"])
+
+
+def test_bench_jaxdec_only(tmp_path):
+    """`jaxdec bench` end to end for jaxdec alone (batch 1 and 2, 8 new tokens, no peers)."""
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "jaxdec", "bench", "--weights", "gguf", "--peers", "",
+                        "--batches", "1,2", "--new-tokens", "8", "--repeats", "1", "--no-ttft",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900)
+    if "not installed" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    run = report["systems"]["jaxdec gguf"]
+    assert "error" not in run, run["error"]
+    assert set(run["decode_tok_s"]) == {"1", "2"} and run["prefill_tok_s"] > 0
+    assert len(run["greedy_ids"]) == 8
+    assert report["bandwidth_gbs"] > 0 and report["ceiling_tok_s"]["gguf"]["1"] > 0
+    assert "ratios" in r.stdout
+
+
+def test_bench_rejects_bad_flags():
+    r = subprocess.run([sys.executable, "-m", "jaxdec", "bench", "--batches", "1,x"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--batches" in r.stderr
+
+
+def test_step_bytes_counts_stored_weights():
+    """The ceiling's bytes: an int4 model reads about a sixth of the f32 bytes per step."""
+    from jaxdec.models import transformer
+    from jaxdec.quant.convert import quantize_params
+    from tiny_hf import build
+
+    _, cfg, params = build("llama", seed=5)
+
+    class M:  # the two attributes step_bytes reads
+        def __init__(self, p):
+            self.params, self.cfg = p, cfg
+
+    f32 = decode_bench.step_bytes(M(params), 1, 0)
+    q4 = decode_bench.step_bytes(M(quantize_params(params, transformer.declare(cfg), "int4")), 1, 0)
+    assert 0.1 < q4 / f32 < 0.25
+    assert decode_bench.step_bytes(M(params), 2, 10) > f32
