@@ -96,7 +96,8 @@ def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: st
         decl = transformer.declare(model.cfg)
         return dataclasses.replace(model, params=convert.quantize_params(model.params, decl,
                                                                          weights))
-    cached = params_cache.entry(path, weights, dt) if params_cache.enabled() else None
+    named = name in registry.MODELS  # only the registry's models are cached (one copy each)
+    cached = params_cache.entry(path, weights, dt) if named and params_cache.enabled() else None
     hit = cached and params_cache.load(cached)
     if hit:
         cfg, params, tok, types = hit

@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src")
     v.add_argument("out")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument("--weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"])
 
     i = sub.add_parser("info", help="architecture, parameters, bytes, tensor types")
     i.add_argument("src")

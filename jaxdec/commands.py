@@ -110,10 +110,10 @@ def convert(args) -> int:
             bar.total = total
             bar.update(done - bar.n)
 
-        model = jaxdec.load(args.src, dtype=args.dtype, progress=progress)
+        model = jaxdec.load(args.src, dtype=args.dtype, weights=args.weights, progress=progress)
     print(f"writing {args.out} ...", file=sys.stderr)
     path = jaxdec.save(model, args.out)
-    print(f"wrote {path} ({_human(_nbytes(model.params))} of {args.dtype} parameters)")
+    print(f"wrote {path} ({_human(_nbytes(model.params))} of {model.weights} parameters)")
     return 0
 
 
@@ -143,7 +143,7 @@ def eval(args) -> int:  # noqa: A001 (the subcommand's name)
     result = perplexity.evaluate(lambda toks: api.score(model, toks), encode, args.corpus,
                                  window=args.window, max_windows=args.max_windows or None,
                                  batch_size=args.batch_size)
-    print(f"{args.model} [{args.dtype}] on {args.corpus}: {result} "
+    print(f"{args.model} [{model.weights} weights] on {args.corpus}: {result} "
           f"({time.perf_counter() - t0:.0f} s)")
     return 0
 

@@ -1,8 +1,8 @@
 """A cache of converted parameters, so a second load of a GGUF / HF model is a file read.
 
 Reading a GGUF dequantises (or repacks) every tensor, about 2 s for SmolLM2, most of a
-warm start-up. The first load of a (source file, weight format, dtype) writes the
-resulting parameters as one .npy file per leaf, with the config and tokenizer, under
+warm start-up. The first load of a registry model (`smollm2`, ...) in a given weight
+format and dtype writes the resulting parameters as one .npy file per leaf, with the config and tokenizer, under
 `home()/.params_cache/<key>/`; later loads memory-map them. The key hashes the source's
 path, size and modification time and the jaxdec version, so a changed file is re-read.
 Entries are written to a temporary directory and renamed into place: a crash leaves no
