@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.config import RopeScaling
+from jaxdec.quant import cpu_kernel
 from jaxdec.quant.matmul import qmatmul
 from jaxdec.quant.qarray import QArray
 
@@ -40,8 +41,8 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
         if w.n_in != n_in:
             raise ValueError(f"linear: QArray contracts {w.n_in} axes, not {n_in}")
         y = qmatmul(x.reshape(-1, k), w)
-    else:
-        y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=jnp.float32)
+    else:  # the CPU kernel for few rows (decode), XLA's dot otherwise
+        y = cpu_kernel.dense_matmul(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*x.shape[:x.ndim - n_in], *out_shape).astype(dtype or x.dtype)
 
 

@@ -1,19 +1,27 @@
-"""Benchmark the quantised-matmul CPU kernel against XLA.
+"""Benchmark the CPU matmul kernel (quantised and dense weights) against XLA.
 
 For each weight shape [K, N] (SmolLM2-135M and Qwen2.5-0.5B decode matmuls) and M rows of x,
 prints the time per call and the effective bandwidth (stored weight bytes / time: f32 weights
 for the f32 dot, codes + f16 scales for the quantised variants) of:
 
   f32 dot    XLA `x @ W` with W f32[K, N]
+  bf16 dot   XLA `jnp.dot(x, W, preferred_element_type=f32)` with W bf16[K, N]
+  kf32/kbf16 the C++ kernel on W f32 / bf16                    (`dense_matmul`)
   deq8/deq4  XLA dequantise (int8 / int4 codes -> f32) + dot   (`qmatmul_xla`)
   k8/k4      the C++ kernel on int8 / int4 codes               (`qmatmul`)
 
 Each call is timed inside a jitted `fori_loop` of R calls (x feeds back through a tiny add so
 nothing is hoisted), so Python dispatch is excluded; medians of several runs, the variants
-interleaved so that load from other processes hits them alike.  Then a chain of 30 straight-
-line calls (576x1536) in one jit exposes per-call overhead.
+interleaved so that load from other processes hits them alike.  The same weights every call:
+small ones stay in L2/L3.  Then a chain of 30 straight-line calls (576x1536), each with its own
+weights (not cache-hot: 30 x 3.5 MB in f32), in one jit exposes per-call overhead and streaming.
+
+The kernel variants always run the kernel here, also at M >= MAX_KERNEL_M / MAX_DENSE_KERNEL_M
+where `qmatmul` / `dense_matmul` themselves hand over to XLA: the table is what sets those.
+Crossover for dense weights: --m 1,8,32,64,128,512 --variants "f32 dot,kf32,bf16 dot,kbf16".
 
     .venv/bin/python scripts/bench_qmatmul.py [--quick] [--m 1,8] [--shapes smol|qwen|all]
+        [--variants "f32 dot,kf32,..."] [--chain-only]
 """
 
 from __future__ import annotations
@@ -49,8 +57,12 @@ def variants(K, N, rng, offset: bool):
     w, q8, q4, s = make(K, N, rng)
     o = (rng.standard_normal((K // G, N)) * 0.01).astype(np.float16) if offset else None
     sb = s.nbytes * (2 if offset else 1)
+    wb = jnp.asarray(w, jnp.bfloat16)
     return {
         "f32 dot": (lambda x, w: x @ w, (jnp.asarray(w),), w.nbytes),
+        "kf32": (ck.dense_matmul, (jnp.asarray(w),), w.nbytes),
+        "bf16 dot": (ck.dense_matmul_xla, (wb,), wb.nbytes),
+        "kbf16": (ck.dense_matmul, (wb,), wb.nbytes),
         "deq8": (lambda x, q, s, o: ck.qmatmul_xla(x, q, s, o, bits=8, group_size=G),
                  (jnp.asarray(q8), jnp.asarray(s), None if o is None else jnp.asarray(o)), q8.nbytes + sb),
         "deq4": (lambda x, q, s, o: ck.qmatmul_xla(x, q, s, o, bits=4, group_size=G),
@@ -125,40 +137,46 @@ def bench_table(shapes, Ms, offset, budget_s, names):
             print(f"{K:>5} {N:>6} {M:>4} | " + " | ".join(cells), flush=True)
 
 
-def bench_chain(n_calls=30, K=576, N=1536, M=1, budget_s=3.0):
-    """n_calls straight-line matmuls in one jit: x -> (x @ W_i)[:, :K] -> ..."""
+def bench_chain(n_calls=30, K=576, N=1536, M=1, budget_s=3.0, names=None):
+    """n_calls straight-line matmuls in one jit, each with its own weights:
+    x -> (x @ W_i)[:, :K] * 0.5 -> ..."""
     rng = np.random.default_rng(1)
     ws = [make(K, N, rng) for _ in range(n_calls)]
     W = [jnp.asarray(w) for w, _, _, _ in ws]
+    Wb = [jnp.asarray(w, jnp.bfloat16) for w in W]
     Q8 = [(jnp.asarray(q8), jnp.asarray(s)) for _, q8, _, s in ws]
     Q4 = [(jnp.asarray(q4), jnp.asarray(s)) for _, _, q4, s in ws]
 
-    def chain_f32(x, W):
-        for w in W:
-            x = (x @ w)[:, :K] * 0.5
-        return x
-
-    def chain(matmul, bits):
-        def f(x, Q):
-            for q, s in Q:
-                x = matmul(x, q, s, None, bits=bits, group_size=G)[:, :K] * 0.5
+    def chain(matmul, **kw):
+        def f(x, ws):
+            for w in ws:
+                x = matmul(x, *w, **kw)[:, :K] * 0.5
             return x
-        return f
+        return jax.jit(f)
 
-    chain_q = lambda bits: chain(ck.qmatmul, bits)
-    chain_deq = lambda bits: chain(ck.qmatmul_xla, bits)
-
+    one = lambda ws: [(w,) for w in ws]
     x = jnp.asarray(rng.standard_normal((M, K), dtype=np.float32))
-    fns = {
-        "f32 dot": (jax.jit(chain_f32), (W,), n_calls),
-        "deq8": (jax.jit(chain_deq(8)), (Q8,), n_calls),
-        "k8": (jax.jit(chain_q(8)), (Q8,), n_calls),
-        "k4": (jax.jit(chain_q(4)), (Q4,), n_calls),
+    fns = {  # name: (jitted chain, weights, bytes of one call's weights)
+        "f32 dot": (chain(jnp.matmul), one(W), W[0].nbytes),
+        "kf32": (chain(ck.dense_matmul), one(W), W[0].nbytes),
+        "bf16 dot": (chain(ck.dense_matmul_xla), one(Wb), Wb[0].nbytes),
+        "kbf16": (chain(ck.dense_matmul), one(Wb), Wb[0].nbytes),
+        "deq8": (chain(ck.qmatmul_xla, bits=8, group_size=G), [q + (None,) for q in Q8],
+                 Q8[0][0].nbytes + Q8[0][1].nbytes),
+        "k8": (chain(ck.qmatmul, bits=8, group_size=G), [q + (None,) for q in Q8],
+               Q8[0][0].nbytes + Q8[0][1].nbytes),
+        "k4": (chain(ck.qmatmul, bits=4, group_size=G), [q + (None,) for q in Q4],
+               Q4[0][0].nbytes + Q4[0][1].nbytes),
     }
-    t = time_variants(fns, x, budget_s)
-    print(f"\nchain of {n_calls} x ({K}x{N}) calls in one jit, M={M}: time per call (whole chain)")
+    if names:
+        fns = {k: v for k, v in fns.items() if k in names} or fns
+    t = time_variants({k: (f, (w,), n_calls) for k, (f, w, _) in fns.items()}, x, budget_s)
+    print(f"\nchain of {n_calls} x ({K}x{N}) calls in one jit, distinct weights, M={M}: "
+          "time per call (whole chain)")
     for n, v in t.items():
-        print(f"  {n:>8}: {v * 1e6:8.1f} us/call  ({v * n_calls * 1e3:6.2f} ms/chain)")
+        nbytes = fns[n][2]
+        print(f"  {n:>8}: {v * 1e6:8.1f} us/call  ({v * n_calls * 1e3:6.2f} ms/chain)  "
+              f"{nbytes / v / 1e9:5.1f} GB/s", flush=True)
 
 
 def main():
@@ -169,7 +187,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="shorter timing budget, no M=512")
     ap.add_argument("--budget", type=float, default=None, help="seconds of timing per row")
     ap.add_argument("--threads", type=int, default=0, help="cap kernel threads (0: all)")
-    ap.add_argument("--variants", default="f32 dot,deq8,deq4,k8,k4")
+    ap.add_argument("--variants", default="f32 dot,kf32,bf16 dot,kbf16,deq8,deq4,k8,k4")
+    ap.add_argument("--chain-only", action="store_true", help="only the 30-call chain")
     args = ap.parse_args()
 
     inf = ck.info()
@@ -179,19 +198,22 @@ def main():
         print("kernel not available: only XLA numbers are meaningful")
     if args.threads:
         ck.set_threads(args.threads)
-    # k8/k4 always run the kernel here, also at M >= MAX_KERNEL_M where `qmatmul` itself
-    # would hand over to XLA: the table is what sets that crossover.
+    # The kernel variants always run the kernel here, also at M >= MAX_KERNEL_M /
+    # MAX_DENSE_KERNEL_M where `qmatmul` / `dense_matmul` would hand over to XLA: the table is
+    # what sets those crossovers.
     ck.MAX_KERNEL_M = 1 << 30
+    ck.MAX_DENSE_KERNEL_M = 1 << 30
     shapes = {"smol": SMOL, "qwen": QWEN, "all": SMOL + QWEN}[args.shapes]
     Ms = [int(m) for m in args.m.split(",")]
     if args.quick:
         Ms = [m for m in Ms if m < 512]
     budget = args.budget if args.budget is not None else (0.5 if args.quick else 1.5)
     names = [n.strip() for n in args.variants.split(",")]
-    print(f"\nper call (in-jit loop), GB/s = stored weight bytes / time; group size {G}, "
-          f"{'with' if args.offset else 'no'} offset\n")
-    bench_table(shapes, Ms, args.offset, budget, names)
-    bench_chain(budget_s=max(1.0, 2 * budget))
+    if not args.chain_only:
+        print(f"\nper call (in-jit loop), GB/s = stored weight bytes / time; group size {G}, "
+              f"{'with' if args.offset else 'no'} offset\n")
+        bench_table(shapes, Ms, args.offset, budget, names)
+    bench_chain(budget_s=max(1.0, 2 * budget), names=names)
 
 
 if __name__ == "__main__":

@@ -43,17 +43,21 @@ def ref_weights(q, s, o, bits, g):
     return w
 
 
-def check(y, x, q, s, o, bits, g):
-    w = ref_weights(q, s, o, bits, g)
+def check_against(y, x, w):
+    """y vs x @ w in float64 (w float64[K, N]), within f32 rounding of sums of K products:
+    bounded relative to sum |x| |W|."""
     x64 = np.asarray(x, np.float64)
     ref = x64 @ w
-    # f32 rounding of sums of K products: bounded relative to sum |x| |W|.
     bound = np.abs(x64) @ np.abs(w)
     y = np.asarray(y, np.float64)
     assert y.shape == ref.shape
     err = np.abs(y - ref)
     tol = 2e-6 * bound + 1e-6
     assert np.all(err <= tol), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
+
+
+def check(y, x, q, s, o, bits, g):
+    check_against(y, x, ref_weights(q, s, o, bits, g))
 
 
 SHAPES = [(96, 100), (576, 77), (896, 130), (64, 16), (32, 1)]
@@ -157,7 +161,8 @@ def _custom_calls(hlo_text):
     return [line for line in hlo_text.splitlines() if "jaxdec_qmatmul" in line]
 
 
-def test_lowering_cpu_and_cuda():
+def test_lowering_cpu_and_cuda(monkeypatch):
+    monkeypatch.setattr(ck, "PORTABLE", True)
     K, N = 96, 40
     args = (jax.ShapeDtypeStruct((2, K), jnp.float32), jax.ShapeDtypeStruct((K // 2, N), jnp.uint8),
             jax.ShapeDtypeStruct((K // 32, N), jnp.float16))
@@ -193,7 +198,8 @@ def test_bad_arguments():
 
 
 def test_unavailable_falls_back(tmp_path):
-    """No usable compiler: available() is False with a reason, qmatmul still works (XLA)."""
+    """No usable compiler: available() is False with a reason, qmatmul and dense_matmul still
+    work (XLA)."""
     code = (
         "import numpy as np\n"
         "from jaxdec.quant import cpu_kernel as ck\n"
@@ -203,6 +209,8 @@ def test_unavailable_falls_back(tmp_path):
         "s = np.full((2, 8), 0.5, np.float16)\n"
         "y = np.asarray(ck.qmatmul(x, q, s, None, bits=8))\n"
         "assert np.allclose(y, 32.0), y\n"
+        "w = np.full((64, 8), 0.5, np.float32)\n"
+        "assert np.allclose(np.asarray(ck.dense_matmul(x, w)), 32.0)\n"
         "print('REASON:', ck.reason().splitlines()[0])\n"
     )
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), JAXDEC_KERNEL_CACHE=str(tmp_path),
@@ -224,3 +232,167 @@ def test_independent_calls_in_one_program():
     outs = jax.jit(f)(x, [(q, s, o) for _, q, s, o in mats])
     for i, (y, (_, q, s, o)) in enumerate(zip(outs, mats)):
         check(y, x, q, s, o, 8 if i % 2 else 4, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense weights (float32 / bfloat16): dense_matmul
+# ---------------------------------------------------------------------------------------------
+
+DENSE_DTYPES = [jnp.float32, jnp.bfloat16]
+# Odd N, K not a multiple of 16, K longer than one panel block (256 rows) and not a multiple of
+# the kernel's row blocks, N with a masked tail, a single column, a single row.
+DENSE_SHAPES = [(96, 100), (100, 77), (577, 130), (64, 16), (33, 1), (1000, 257), (1, 40)]
+
+
+def make_dense(M, K, N, dtype, seed=0):
+    """Random x f32[M, K] and w [K, N] of `dtype` (none of them zero-filled)."""
+    rng = np.random.default_rng(seed + 1000 * M + 7 * K + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = np.asarray(jnp.asarray(rng.standard_normal((K, N)).astype(np.float32) * 0.1, dtype))
+    return x, w
+
+
+def check_dense(y, x, w):
+    check_against(y, x, np.asarray(np.asarray(w, np.float32), np.float64))  # bf16 -> f32: exact
+
+
+def _dense_calls(hlo_text):
+    return [line for line in hlo_text.splitlines() if "jaxdec_dense_matmul" in line]
+
+
+@pytest.fixture
+def dense_kernel_any_m(monkeypatch):
+    """Route every M to the kernel (M >= MAX_DENSE_KERNEL_M would otherwise go to XLA)."""
+    monkeypatch.setattr(ck, "MAX_DENSE_KERNEL_M", 1 << 30)
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8, 64])
+@pytest.mark.parametrize("K,N", DENSE_SHAPES)
+def test_dense_matches_reference(K, N, M, dtype, dense_kernel_any_m):
+    x, w = make_dense(M, K, N, dtype)
+    f = jax.jit(ck.dense_matmul)
+    assert _dense_calls(f.lower(x, w).as_text()), "should run the kernel"
+    y = f(x, w)
+    assert y.dtype == jnp.float32
+    check_dense(y, x, w)
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+@pytest.mark.parametrize("M", [1, 5, 12])
+@pytest.mark.parametrize("K,N", [(96, 100), (577, 77), (33, 1)])
+def test_dense_scalar_fallback(K, N, M, dtype):
+    x, w = make_dense(M, K, N, dtype, seed=1)
+    check_dense(jax.jit(lambda x, w: ck.dense_matmul(x, w, impl="scalar"))(x, w), x, w)
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+@pytest.mark.parametrize("M,K,N", [(2, 576, 4100), (1, 1536, 576), (3, 577, 1536), (6, 576, 700)])
+def test_dense_wide_parallel_and_thread_independence(M, K, N, dtype):
+    """Matrices big enough to be split across threads, over N (wide rows, or M > 4) or over K
+    (slabs of rows summed in a fixed order): one thread and all threads agree bit for bit."""
+    x, w = make_dense(M, K, N, dtype, seed=3)
+    f = jax.jit(ck.dense_matmul)
+    y_all = np.asarray(f(x, w))
+    check_dense(y_all, x, w)
+    try:
+        ck.set_threads(1)
+        y_one = np.asarray(jax.jit(lambda x, w: ck.dense_matmul(x, w) + 0.0)(x, w))
+    finally:
+        ck.set_threads(0)
+    np.testing.assert_array_equal(y_all, y_one)
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_dense_inside_while_loop(dtype):
+    """Repeated calls in a lax.while_loop body (distinct weights per layer, the input changing
+    every iteration), against the float64 recurrence."""
+    K = 200
+    x, w1 = make_dense(1, K, K, dtype, seed=5)
+    _, w2 = make_dense(1, K, K, dtype, seed=6)
+
+    def step(carry):
+        i, h = carry
+        h = jnp.tanh(ck.dense_matmul(h, w1))
+        return i + 1, jnp.tanh(ck.dense_matmul(h, w2))
+
+    f = jax.jit(lambda h: jax.lax.while_loop(lambda c: c[0] < 4, step, (0, h))[1])
+    assert _dense_calls(f.lower(x).compile().as_text())
+    out = f(x)
+    h = x.astype(np.float64)
+    w1_64, w2_64 = (np.asarray(np.asarray(w, np.float32), np.float64) for w in (w1, w2))
+    for _ in range(4):
+        h = np.tanh(np.tanh(h @ w1_64) @ w2_64)
+    np.testing.assert_allclose(np.asarray(out), h, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_dense_leading_dims_and_vmap(dtype):
+    K, N = 96, 50
+    x, w = make_dense(6, K, N, dtype, seed=7)
+    x3 = x.reshape(2, 3, K)
+    y = ck.dense_matmul(x3, w)
+    assert y.shape == (2, 3, N)
+    check_dense(np.asarray(y).reshape(6, N), x, w)
+    yv = jax.jit(jax.vmap(lambda xi: ck.dense_matmul(xi, w)))(x3)
+    check_dense(np.asarray(yv).reshape(6, N), x, w)
+    # batched weights, with and without batched x
+    xs, ws = zip(*[make_dense(3, K, N, dtype, seed=10 + i) for i in range(2)])
+    xs, ws = np.stack(xs), np.stack(ws)
+    yb = jax.jit(jax.vmap(ck.dense_matmul))(xs, ws)
+    yw = jax.vmap(lambda wi: ck.dense_matmul(xs[0], wi))(ws)
+    for i in range(2):
+        check_dense(yb[i], xs[i], ws[i])
+        check_dense(yw[i], xs[0], ws[i])
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_dense_lowering_cpu_and_cuda(dtype, monkeypatch):
+    monkeypatch.setattr(ck, "PORTABLE", True)
+    args = (jax.ShapeDtypeStruct((2, 96), jnp.float32), jax.ShapeDtypeStruct((96, 40), dtype))
+    f = jax.jit(ck.dense_matmul)
+    compiled = f.lower(*args).compile().as_text()
+    assert _dense_calls(compiled), "CPU program should call the kernel"
+    assert "conditional" not in compiled
+    text = jax.export.export(f, platforms=["cuda"])(*args).mlir_module()
+    assert "custom_call" not in text and "dot_general" in text
+
+
+def test_dense_large_m_and_other_dtypes_use_xla():
+    M = ck.MAX_DENSE_KERNEL_M
+    f = jax.jit(ck.dense_matmul)
+    args = (jax.ShapeDtypeStruct((M, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+    assert not _dense_calls(f.lower(*args).as_text())
+    small = (jax.ShapeDtypeStruct((M - 1, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+    assert _dense_calls(f.lower(*small).as_text())
+    # float16 weights: XLA, same contract
+    x, w = make_dense(3, 64, 24, jnp.float16, seed=8)
+    assert not _dense_calls(f.lower(x, w).as_text())
+    y = f(x, w)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_matches_xla_path():
+    x, w = make_dense(4, 576, 200, jnp.bfloat16, seed=9)
+    y = jax.jit(ck.dense_matmul)(x, w)
+    y_xla = jax.jit(lambda x, w: ck.dense_matmul_xla(x, w, precision=jax.lax.Precision.HIGHEST))(x, w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_xla), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_bad_arguments():
+    x, w = make_dense(1, 64, 16, jnp.float32)
+    with pytest.raises(ValueError):
+        ck.dense_matmul(x[:, :32], w)
+    with pytest.raises(ValueError):
+        ck.dense_matmul(x, w[None])
+    with pytest.raises(ValueError):
+        ck.dense_matmul(x, w, impl="fast")
+
+
+def test_dense_independent_calls_in_one_program():
+    mats = [make_dense(2, 576, 1000 + 17 * i, DENSE_DTYPES[i % 2], seed=20 + i)[1] for i in range(4)]
+    x = make_dense(2, 576, 1, jnp.float32, seed=30)[0]
+    outs = jax.jit(lambda x, ws: [ck.dense_matmul(x, w) for w in ws])(x, mats)
+    for y, w in zip(outs, mats):
+        check_dense(y, x, w)

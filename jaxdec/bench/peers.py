@@ -291,10 +291,16 @@ def _run_hf(run: _Run) -> None:
     run.result["versions"] = {d: _version(d) for d in ("torch", "transformers", "accelerate", "gguf")}
 
     path = os.path.abspath(spec["gguf"])
+    kwargs: dict[str, Any] = {}
+    try:  # newer transformers can keep GGUF blocks packed (with `kernels`); this peer is dense
+        from transformers import GgufConfig
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                                  gguf_file=os.path.basename(path),
-                                                 dtype=dtypes[dtype_name])
+                                                 dtype=dtypes[dtype_name], **kwargs)
     model.eval()
     run.result["load_s"] = round(time.perf_counter() - t, 3)
     if model.dtype != dtypes[dtype_name]:
@@ -318,8 +324,14 @@ def _run_hf(run: _Run) -> None:
                  "the prefill forward runs eagerly, as transformers does")
     else:
         run.note("eager PyTorch, dynamic cache")
-    run.note(f"weights dequantised from GGUF to {dtype_name} nn.Linear; "
-             f"attention implementation {getattr(model.config, '_attn_implementation', '?')}")
+    linears: dict[str, int] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and "Embedding" not in type(module).__name__:
+            key = f"{type(module).__name__}({str(weight.dtype).replace('torch.', '')})"
+            linears[key] = linears.get(key, 0) + 1
+    run.note("weights dequantised from the GGUF: " + ", ".join(f"{n} x {k}" for k, n in linears.items())
+             + f"; attention implementation {getattr(model.config, '_attn_implementation', '?')}")
 
     class Clock(BaseStreamer):
         """generate() hands the prompt, then every new token, to put(): timestamp each."""

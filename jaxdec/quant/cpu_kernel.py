@@ -1,8 +1,12 @@
-"""A CPU kernel for matmuls against quantised weights, called from jitted code through XLA FFI.
+"""A CPU kernel for matmuls against quantised or dense weights, called from jitted code through
+XLA FFI.
 
 XLA's CPU backend has no fast path for int8/int4 weights at small batch: it materialises the
 dequantised f32 matrix on every call.  `qmatmul` computes ``x @ W`` straight from the stored
 codes with an AVX-512 (or portable scalar) C++ kernel, multi-threaded over the output columns.
+`dense_matmul` runs the same kernel on plain float32 / bfloat16 weights W[K, N]: at small M
+XLA's own dot streams the weights at about half the memory bandwidth (matrix-vector products
+are memory-bound), and for bfloat16 weights it converts them to f32 first.
 
 Weight format (shared with the `QArray` type; W is logical [K, N], y = x @ W):
 
@@ -12,13 +16,14 @@ Weight format (shared with the `QArray` type; W is logical [K, N], y = x @ W):
 * ``scale`` float16[K//g, N]; ``offset`` float16[K//g, N] or None.
 * ``W[k, n] = q[k, n] * scale[k // g, n] + offset[k // g, n]``.
 
-The kernel keeps x in f32 (no activation quantisation): its result differs from the float64
-reference by f32 rounding only.
+The kernel keeps x in f32 (no activation quantisation) and accumulates in f32 (bfloat16 weights
+are widened exactly): its result differs from the float64 reference by f32 rounding only.
 
 The shared library is compiled on first use with the system C++ compiler into
 ``$JAXDEC_KERNEL_CACHE`` (default ``~/.cache/jaxdec/kernels``), under a name keyed by the
 source, the compiler, the flags and the jaxlib version.  When there is no compiler, or the
-build fails, `available()` is False, `reason()` says why, and `qmatmul` uses `qmatmul_xla`.
+build fails, `available()` is False, `reason()` says why, and `qmatmul` uses `qmatmul_xla`
+(`dense_matmul`, `jnp.dot`).
 
 Environment:
 
@@ -26,6 +31,8 @@ Environment:
 * ``JAXDEC_CPU_THREADS``: threads per call (default: the CPUs this process may run on).
 * ``JAXDEC_CPU_SPIN_US``: how long idle workers spin before sleeping (default 100).
 * ``JAXDEC_CPU_ADAPTIVE=0``: never fall back to one thread on an oversubscribed machine.
+* ``JAXDEC_CPU_SLAB_BYTES``: dense weights, M <= 4: bytes of W per slab of rows when K is split
+  across threads (default 524288; 0: always split N).
 * ``JAXDEC_QMM_IMPL=scalar``: force the portable path (for tests).
 * ``CXX``: the compiler (default ``g++``, then ``c++``).
 """
@@ -51,12 +58,14 @@ import numpy as np
 from jaxdec.quant.qarray import dequantize_rows
 
 __all__ = [
-    "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "set_threads",
-    "set_spin_us", "set_adaptive", "MAX_KERNEL_M",
+    "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
+    "dense_matmul_xla", "set_threads", "set_spin_us", "set_adaptive", "MAX_KERNEL_M",
+    "MAX_DENSE_KERNEL_M",
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
 TARGET = "jaxdec_qmatmul"
+DENSE_TARGET = "jaxdec_dense_matmul"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 
 # Rows of x (after folding leading dimensions) from which `qmatmul` uses the XLA path
@@ -65,7 +74,18 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 # slower at M = 512 (both are then FMA-bound on f32; XLA's GEMM blocks better).
 MAX_KERNEL_M = 256
 
+# The same for `dense_matmul` (XLA: `jnp.dot`).  DENSE_THRESHOLD_NOTE
+MAX_DENSE_KERNEL_M = 32
+
+# Weight dtypes the dense kernel reads, and the `dtype` attribute of each.
+_DENSE_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}
+
 _IMPLS = {"auto": 0, "scalar": 1, "simd": 2}
+
+# When the default backend is the CPU, programs call the kernel directly. Set PORTABLE to
+# stage `jax.lax.platform_dependent(cpu=kernel, default=xla)` instead: one program for every
+# backend (needed to `jax.export` for GPU/TPU from a CPU process).
+PORTABLE = False
 
 _lock = threading.Lock()
 _state: dict | None = None
@@ -152,8 +172,13 @@ def _load() -> dict:
         lib.jaxdec_qmm_raw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_longlong] * 3 + [
             ctypes.c_int, ctypes.c_longlong, ctypes.c_int]
         lib.jaxdec_qmm_raw.restype = None
+        lib.jaxdec_dense_raw.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong] * 3 + [ctypes.c_int] * 2
+        lib.jaxdec_dense_raw.restype = None
         lib.jaxdec_qmm_set_min_parallel_bytes.argtypes = [ctypes.c_longlong]
+        lib.jaxdec_qmm_set_dense.argtypes = [ctypes.c_int] * 3
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxdec_qmatmul), platform="cpu")
+        jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.jaxdec_dense_matmul),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001 -- any failure means "not available"
         st["reason"] = f"could not load/register {path}: {type(e).__name__}: {e}"
         return st
@@ -268,6 +293,32 @@ def _check(x, q, scale, offset, bits, group_size):
             raise TypeError(f"{name} must be float16, got {a.dtype}")
 
 
+def _impl_code(impl: str | None) -> int:
+    impl = impl or os.environ.get("JAXDEC_QMM_IMPL", "auto") or "auto"
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
+    return _IMPLS[impl]
+
+
+def _dispatch(x, operands, n, max_m, kernel, xla):
+    """y[..., n] = x[..., K] @ (the weights in `operands`).
+
+    `kernel(x2, *operands)` (x2: f32[M, K], the leading dimensions folded) on CPU when the
+    kernel is available and M < max_m, `xla(x2, *operands)` on other backends; the choice
+    between them is staged with `jax.lax.platform_dependent`, so one jitted program serves all.
+    Otherwise `xla(x, *operands)` alone."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    M = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    if M == 0 or M >= max_m or not available():
+        return xla(x, *operands)
+    x2 = x.astype(jnp.float32).reshape(M, K)
+    if PORTABLE or jax.default_backend() != "cpu":
+        y = jax.lax.platform_dependent(x2, *operands, cpu=kernel, default=xla)
+    else:  # tracing the unused XLA branch too cost ~1 s of every CLI start-up
+        y = kernel(x2, *operands)
+    return y.reshape(*lead, n)
+
+
 def _ffi(x2, q, scale, offset, *, bits, group_size, impl):
     M, N = x2.shape[0], q.shape[1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32),
@@ -297,21 +348,42 @@ def qmatmul(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
     scale = jnp.asarray(scale)
     offset = None if offset is None else jnp.asarray(offset)
     _check(x, q, scale, offset, bits, group_size)
-    impl = impl or os.environ.get("JAXDEC_QMM_IMPL", "auto") or "auto"
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
-    lead, K, N = x.shape[:-1], x.shape[-1], q.shape[1]
-    M = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    code = _impl_code(impl)
     xla = functools.partial(qmatmul_xla, bits=bits, group_size=group_size)
-    if M == 0 or M >= MAX_KERNEL_M or not available():
-        return xla(x, q, scale, offset)
-    x2 = x.astype(jnp.float32).reshape(M, K)
+    kernel = functools.partial(_ffi, bits=bits, group_size=group_size, impl=code)
+    return _dispatch(x, (q, scale, offset), q.shape[1], MAX_KERNEL_M, kernel, xla)
 
-    def cpu(x2, q, scale, offset):
-        return _ffi(x2, q, scale, offset, bits=bits, group_size=group_size, impl=_IMPLS[impl])
 
-    def other(x2, q, scale, offset):
-        return xla(x2, q, scale, offset)
+def dense_matmul_xla(x, w, *, precision=None) -> jax.Array:
+    """``x @ w`` accumulated in f32 by XLA (any backend)."""
+    return jnp.dot(jnp.asarray(x), jnp.asarray(w), precision=precision,
+                   preferred_element_type=jnp.float32)
 
-    y = jax.lax.platform_dependent(x2, q, scale, offset, cpu=cpu, default=other)
-    return y.reshape(*lead, N)
+
+def _dense_ffi(x2, w, *, impl):
+    call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32),
+                            vmap_method="expand_dims")
+    return call(x2, w, dtype=np.int64(_DENSE_DTYPES[jnp.dtype(w.dtype)]), impl=np.int64(impl))
+
+
+def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
+    """y f32[..., N] = x[..., K] @ w, for dense weights w float32 or bfloat16 [K, N].
+
+    The f32 products are accumulated in f32, x is taken in f32 (bfloat16 weights are widened
+    exactly), so the result differs from the exact product by f32 rounding only.  Dispatch as
+    in `qmatmul`: the C++ kernel on CPU (when `available()` and the folded row count is below
+    MAX_DENSE_KERNEL_M), `dense_matmul_xla` (``jnp.dot(x, w, preferred_element_type=f32)``)
+    otherwise and on other backends; so are weights of any other dtype.  Works under jit, in
+    loops and under vmap.
+
+    impl: as for `qmatmul`.
+    """
+    x = jnp.asarray(x)
+    w = jnp.asarray(w)
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"dense_matmul: x {x.shape} and w {w.shape} do not make x[..., K] @ w[K, N]")
+    code = _impl_code(impl)
+    if jnp.dtype(w.dtype) not in _DENSE_DTYPES:
+        return dense_matmul_xla(x, w)
+    kernel = functools.partial(_dense_ffi, impl=code)
+    return _dispatch(x, (w,), w.shape[1], MAX_DENSE_KERNEL_M, kernel, dense_matmul_xla)

@@ -1,32 +1,40 @@
-// jaxdec CPU kernel: y f32[M, N] = x f32[M, K] @ W, with W stored quantised.
+// jaxdec CPU kernel: y f32[M, N] = x f32[M, K] @ W, with W stored quantised or dense.
 //
-// Weight format (the fixed contract shared with the Python QArray type):
+// Weight formats (the quantised one is the fixed contract shared with the Python QArray type):
 //   bits=8: q int8[K, N]
 //   bits=4: q uint8[K/2, N]; byte (i, n) holds the code of row 2i in its low nibble and
 //           row 2i+1 in its high nibble; codes are unsigned 0..15.
 //   scale float16[K/g, N]; offset float16[K/g, N] or absent.
 //   W[k, n] = q[k, n] * scale[k/g, n] + offset[k/g, n]
 // so per group:  y[n] += scale[g, n] * sum_k x[k] q[k, n] + offset[g, n] * sum_k x[k].
+//   dense: W float32[K, N] or bfloat16[K, N] itself (the same code with scale 1, no offset, and
+//   "groups" that only block K, the last one possibly short).
 //
 // The AVX-512 path widens the codes to f32 (int8: vpmovsxbd + vcvtdq2ps; int4: vpmovzxbd and a
-// 16-entry vpermps table per nibble) and FMAs them against broadcast x.  M <= 8: per-group
-// register accumulators for an M-block of up to 4 rows x 64 columns, scale/offset applied at the
-// end of each group.  M > 8: each group's 64-column chunk is widened once into an L1 panel and
-// consumed by blocks of 6 rows.  No quantisation of x: the only error is f32 rounding.  A
-// portable scalar path is used when the CPU lacks AVX-512 (chosen at run time; the AVX-512
-// functions carry target attributes, so the library builds with plain -O3 and runs anywhere).
+// 16-entry vpermps table per nibble; bf16: vpmovzxwd + a 16-bit shift, exact) and FMAs them
+// against broadcast x.  M <= 8: per-group register accumulators for an M-block of up to 4 rows
+// x 64 columns, scale/offset applied at the end of each group.  M > 8: each group's 64-column
+// chunk is widened once into an L1 panel and consumed by blocks of 6 rows.  No quantisation of
+// x: the only error is f32 rounding.  A portable scalar path is used when the CPU lacks AVX-512
+// (chosen at run time; the AVX-512 functions carry target attributes, so the library builds
+// with plain -O3 and runs anywhere).
 //
 // Work is split over N (in chunks of 64-column multiples) between the calling thread and a
 // small persistent pool of workers that spin for a while after each job and then sleep on a
 // condvar; chunks are claimed dynamically, and the pool backs off to one thread when the
 // machine is oversubscribed (see Adaptive).  Columns never depend on the split, so results are
-// bitwise identical for any thread count.
+// bitwise identical for any thread count.  Dense matrices with short rows and M <= 4 are split
+// over K instead (slabs of rows, each a contiguous stretch of memory; see slab_count): the
+// partial products are summed in slab order, and the slabs depend on the shape only, so these
+// results too are the same for any thread count.
 //
 // Exported:
-//   jaxdec_qmatmul            the XLA FFI handler (typed API)
-//   jaxdec_qmm_*              small C helpers for tuning and tests (ctypes)
+//   jaxdec_qmatmul            the XLA FFI handler for quantised W (typed API)
+//   jaxdec_dense_matmul       the XLA FFI handler for dense W
+//   jaxdec_qmm_*, jaxdec_dense_raw   small C helpers for tuning, benchmarks and tests (ctypes)
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -62,18 +70,43 @@ namespace {
 // Job description
 // ---------------------------------------------------------------------------------------------
 
+// How W is stored.  Quantised formats (q, scale[, offset]) and dense ones (W itself; no scale).
+enum Fmt : int { kInt8 = 0, kInt4 = 1, kF32 = 2, kBF16 = 3 };
+
 struct Job {
   const float* x;        // [M, K]
   const float* xsum;     // [M, G]  sums of x over each group (only when has_off)
-  const uint8_t* q;      // int8 [K, N] or packed uint8 [K/2, N]
-  const uint16_t* scale; // f16 bits [G, N]
+  const uint8_t* q;      // int8 [K, N], packed uint8 [K/2, N], f32 [K, N] or bf16 [K, N]
+  const uint16_t* scale; // f16 bits [G, N]; null for the dense formats (scale 1)
   const uint16_t* off;   // f16 bits [G, N] or null
   float* y;              // [M, N]
+  // g: rows per group; for the dense formats a blocking of K only (the last block may be
+  // short), G = ceil(K / g).
   int64_t M, K, N, G, g;
   int64_t units;         // ceil(N / 16)
-  int64_t chunk_units;   // units per chunk of work handed to a thread
-  int bits;
+  // Work items the pool hands out (column units, or K slabs), in chunks of chunk_units.
+  int64_t items, chunk_units;
+  // K-split (dense formats, few rows of x; items = slabs): slab s is groups
+  // [s*G/slabs, (s+1)*G/slabs) over all columns, its partial product written to part + s*M*N;
+  // the caller sums them in order.
+  int64_t slabs;
+  float* part;
+  Fmt fmt;
 };
+
+inline bool is_dense(Fmt f) { return f == kF32 || f == kBF16; }
+// Bytes of one stored row (int4: one packed row holds two rows of W).
+inline int64_t elem_bytes(Fmt f) { return f == kF32 ? 4 : f == kBF16 ? 2 : 1; }
+// Rows of W in group gi (the dense formats' last block may be short).
+inline int64_t group_rows(const Job& J, int64_t gi) { return std::min(J.g, J.K - gi * J.g); }
+inline int64_t weight_bytes(const Job& J) {
+  return (J.fmt == kInt4 ? J.K / 2 : J.K) * J.N * elem_bytes(J.fmt);
+}
+// Row k of W (int4: the packed row holding it) from column c.
+inline const uint8_t* row_ptr(const Job& J, int64_t k, int64_t c) {
+  const int64_t srow = J.fmt == kInt4 ? k / 2 : k;
+  return J.q + (srow * J.N + c) * elem_bytes(J.fmt);
+}
 
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
@@ -118,6 +151,32 @@ inline float half_to_float(uint16_t h) {
 // Portable scalar path
 // ---------------------------------------------------------------------------------------------
 
+// Row k of W, columns [c, c + w), widened to f32 (the codes, before the group's scale).
+void scalar_row(const Job& J, int64_t k, int64_t c, int64_t w, float* out) {
+  const uint8_t* p = row_ptr(J, k, c);
+  switch (J.fmt) {
+    case kInt8:
+      for (int64_t j = 0; j < w; ++j) out[j] = static_cast<float>(reinterpret_cast<const int8_t*>(p)[j]);
+      break;
+    case kInt4: {
+      const int sh = static_cast<int>(k & 1) * 4;
+      for (int64_t j = 0; j < w; ++j) out[j] = static_cast<float>((p[j] >> sh) & 15);
+      break;
+    }
+    case kF32:
+      std::memcpy(out, p, sizeof(float) * w);
+      break;
+    case kBF16:
+      for (int64_t j = 0; j < w; ++j) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * j, 2);
+        const uint32_t b = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&out[j], &b, 4);
+      }
+      break;
+  }
+}
+
 void scalar_range(const Job& J, int64_t u0, int64_t u1) {
   const int64_t c_begin = u0 * 16;
   const int64_t c_end = std::min(u1 * 16, J.N);
@@ -125,30 +184,19 @@ void scalar_range(const Job& J, int64_t u0, int64_t u1) {
   const int64_t N = J.N, K = J.K, g = J.g, G = J.G;
   for (int64_t m = 0; m < J.M; ++m)
     std::memset(J.y + m * N + c_begin, 0, sizeof(float) * (c_end - c_begin));
-  float acc[64];
-  float sc[64];
+  float acc[64], sc[64], wr[64];
   for (int64_t c = c_begin; c < c_end; c += 64) {
     const int64_t w = std::min<int64_t>(64, c_end - c);
     for (int64_t gi = 0; gi < G; ++gi) {
-      for (int64_t j = 0; j < w; ++j) sc[j] = half_to_float(J.scale[gi * N + c + j]);
+      const int64_t rows = group_rows(J, gi);
+      for (int64_t j = 0; j < w; ++j) sc[j] = J.scale ? half_to_float(J.scale[gi * N + c + j]) : 1.f;
       for (int64_t m = 0; m < J.M; ++m) {
         const float* xp = J.x + m * K + gi * g;
         for (int64_t j = 0; j < w; ++j) acc[j] = 0.f;
-        if (J.bits == 8) {
-          const int8_t* row = reinterpret_cast<const int8_t*>(J.q) + gi * g * N + c;
-          for (int64_t kk = 0; kk < g; ++kk, row += N) {
-            const float xk = xp[kk];
-            for (int64_t j = 0; j < w; ++j) acc[j] += xk * static_cast<float>(row[j]);
-          }
-        } else {
-          const uint8_t* row = J.q + gi * (g / 2) * N + c;
-          for (int64_t kk = 0; kk < g / 2; ++kk, row += N) {
-            const float x0 = xp[2 * kk], x1 = xp[2 * kk + 1];
-            for (int64_t j = 0; j < w; ++j) {
-              const uint8_t b = row[j];
-              acc[j] += x0 * static_cast<float>(b & 15) + x1 * static_cast<float>(b >> 4);
-            }
-          }
+        for (int64_t kk = 0; kk < rows; ++kk) {
+          scalar_row(J, gi * g + kk, c, w, wr);
+          const float xk = xp[kk];
+          for (int64_t j = 0; j < w; ++j) acc[j] += xk * wr[j];
         }
         float* yp = J.y + m * N + c;
         if (J.off) {
@@ -184,44 +232,100 @@ void scalar_range(const Job& J, int64_t u0, int64_t u1) {
 // the stream about one band-group ahead, which works while that is small (<= 128 KiB);
 // for wider rows (LM heads) four chunks (256 bytes) ahead in the same row works better
 // (measured on 576x1536, 1536x576, 896x4864, 4864x896 and 576x49152, cold caches).
+// The dense formats use the same rule (their rows are 2-4x longer, so "next group" is within
+// 128 KiB only for narrow matrices or short groups).
 QMM_INLINE int64_t prefetch_offset(const Job& J, int64_t gi) {
-  const int64_t row_bytes = J.N, rows = J.bits == 8 ? J.g : J.g / 2;
+  const int64_t row_bytes = J.N * elem_bytes(J.fmt), rows = J.fmt == kInt4 ? J.g / 2 : J.g;
   if (rows * row_bytes <= 128 * 1024) return gi + 1 < J.G ? rows * row_bytes : 0;
   return 256;
+}
+
+// Prefetches the lines of [p, p + span) (span: the bytes of a stored row a chunk reads); the
+// last byte too when the span is a line or more, in case it straddles one more line.
+template <int64_t SPAN>
+QMM_INLINE void prefetch_span(const uint8_t* p) {
+#pragma GCC unroll 8
+  for (int64_t o = 0; o < SPAN; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  if (SPAN >= 64) _mm_prefetch(reinterpret_cast<const char*>(p + SPAN - 1), _MM_HINT_T0);
+}
+
+// Rows of W that one stored row holds (int4 packs two), and bytes per stored element.
+template <Fmt F>
+constexpr int kRowsPerLoad = F == kInt4 ? 2 : 1;
+template <Fmt F>
+constexpr int64_t kElemBytes = F == kF32 ? 4 : F == kBF16 ? 2 : 1;
+
+// Widens 16 columns of a stored row, from p (the first lanes of `mask` only when `masked`), to
+// f32: w[0], and w[1] (the odd row) for int4.  bf16 -> f32 is exact: the bits shifted up 16.
+template <Fmt F>
+QMM_TARGET QMM_INLINE void load16(const uint8_t* p, bool masked, __mmask16 mask, __m512* w) {
+  if (F == kInt8 || F == kInt4) {
+    const __m128i b = masked ? _mm_maskz_loadu_epi8(mask, p) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (F == kInt8) {
+      w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    } else {
+      const __m512i d = _mm512_cvtepu8_epi32(b);
+#if QMM_INT4_LUT
+      // vpermps reads only the low 4 bits of each index: a 16-entry table lookup.
+      const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      w[0] = _mm512_permutexvar_ps(d, lut);
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
+#else
+      w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+      w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+#endif
+    }
+  } else if (F == kF32) {
+    const float* f = reinterpret_cast<const float*>(p);
+    w[0] = masked ? _mm512_maskz_loadu_ps(mask, f) : _mm512_loadu_ps(f);
+  } else {
+    const __m256i h = masked ? _mm256_maskz_loadu_epi16(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// bf16 tiles of whole 32-column pairs load 32 columns at once (see load32_bf16).
+template <Fmt F, int NV, bool TAIL>
+constexpr bool kPairs = F == kBF16 && NV % 2 == 0 && !TAIL;
+
+// 32 bf16 columns from p, widened to f32 with one load and two integer ops (vpmovzxwd + shift
+// per 16 columns costs half as much again): `even` holds columns 0, 2, .., 30 (the low halves
+// of the 32-bit lanes shifted up), `odd` columns 1, 3, .., 31 (the high halves, masked).
+QMM_TARGET QMM_INLINE void load32_bf16(const uint8_t* p, __m512& even, __m512& odd) {
+  const __m512i v = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
 // One group `gi` of a band: `nchunks` column chunks of 16*NV columns starting at c0 (the last
 // vector of the last chunk masked by tmask when TAIL), each for `mblocks` blocks of MB rows of
 // x starting at m0.  Accumulates into y.  The chunk loop is outside the M-block loop so each
-// chunk of codes (g rows x 64 bytes at most) is reused from L1 by every M-block.
-template <int MB, int NV, bool INT4, bool OFF, bool TAIL>
+// chunk of W (g rows x 64 columns) is reused from L1 by every M-block.
+template <int MB, int NV, Fmt F, bool OFF, bool TAIL>
 QMM_TARGET void tile_avx512(const Job& J, int64_t m0, int64_t mblocks, int64_t c0, int64_t nchunks,
                             __mmask16 tmask, int64_t gi) {
+  constexpr int R = kRowsPerLoad<F>;
+  constexpr int64_t EB = kElemBytes<F>;
   const int64_t N = J.N, K = J.K, g = J.g, G = J.G;
-  const __m512i lo_mask = _mm512_set1_epi32(15);
-  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  (void)lo_mask;
-  (void)lut;
+  const int64_t rows = group_rows(J, gi), stride = N * EB;
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const int64_t c = c0 + ch * 16 * NV;
     const bool tail = TAIL && ch == nchunks - 1;
-    // Scale / offset of this group and chunk.
+    // Scale / offset of this group and chunk (the dense formats: 1, none).
     __m512 s[NV], o[NV];
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
+      const bool mv = tail && v == NV - 1;
+      o[v] = _mm512_setzero_ps();
+      if (is_dense(F)) {
+        s[v] = _mm512_set1_ps(1.f);
+        continue;
+      }
       const uint16_t* sp = J.scale + gi * N + c + 16 * v;
-      if (tail && v == NV - 1)
-        s[v] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tmask, sp));
-      else
-        s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)));
+      s[v] = _mm512_cvtph_ps(mv ? _mm256_maskz_loadu_epi16(tmask, sp) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)));
       if (OFF) {
         const uint16_t* op = J.off + gi * N + c + 16 * v;
-        if (tail && v == NV - 1)
-          o[v] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tmask, op));
-        else
-          o[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(op)));
-      } else {
-        o[v] = _mm512_setzero_ps();
+        o[v] = _mm512_cvtph_ps(mv ? _mm256_maskz_loadu_epi16(tmask, op) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op)));
       }
     }
     for (int64_t mb = 0; mb < mblocks; ++mb) {
@@ -232,68 +336,40 @@ QMM_TARGET void tile_avx512(const Job& J, int64_t m0, int64_t mblocks, int64_t c
 #pragma GCC unroll 16
         for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
       const float* xp = J.x + mr * K + gi * g;
-      if (!INT4) {
-        const int8_t* qp = reinterpret_cast<const int8_t*>(J.q) + gi * g * N + c;
-        const int64_t pf = mb != 0 ? 0 : prefetch_offset(J, gi);
-        for (int64_t kk = 0; kk < g; ++kk, qp += N) {
-          if (QMM_PREFETCH && pf) {
-            _mm_prefetch(reinterpret_cast<const char*>(qp + pf), _MM_HINT_T0);
-            if (NV > 2) _mm_prefetch(reinterpret_cast<const char*>(qp + pf + 32), _MM_HINT_T0);
-          }
-          __m512 w[NV];
+      const uint8_t* qp = row_ptr(J, gi * g, c);
+      const int64_t pf = mb != 0 ? 0 : prefetch_offset(J, gi);
+      for (int64_t kk = 0; kk < rows; kk += R, qp += stride) {
+        if (QMM_PREFETCH && pf) prefetch_span<16 * NV * EB>(qp + pf);
+        __m512 w[NV][R];
+        if (kPairs<F, NV, TAIL>) {
+          // bf16, 32 columns per 512-bit load: w[v] the even columns, w[v+1] the odd ones.
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; v += 2) load32_bf16(qp + 32 * v, w[v][0], w[v + 1][0]);
+        } else {
 #pragma GCC unroll 16
-          for (int v = 0; v < NV; ++v) {
-            __m128i b;
-            if (tail && v == NV - 1)
-              b = _mm_maskz_loadu_epi8(tmask, qp + 16 * v);
-            else
-              b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 16 * v));
-            w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-          }
-#pragma GCC unroll 16
-          for (int m = 0; m < MB; ++m) {
-            const __m512 xb = _mm512_set1_ps(xp[m * K + kk]);
-#pragma GCC unroll 16
-            for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(xb, w[v], acc[m][v]);
-          }
+          for (int v = 0; v < NV; ++v) load16<F>(qp + 16 * v * EB, tail && v == NV - 1, tmask, w[v]);
         }
-      } else {
-        const uint8_t* qp = J.q + gi * (g / 2) * N + c;
-        const int64_t pf = mb != 0 ? 0 : prefetch_offset(J, gi);
-        for (int64_t kk = 0; kk < g / 2; ++kk, qp += N) {
-          if (QMM_PREFETCH && pf) {
-            _mm_prefetch(reinterpret_cast<const char*>(qp + pf), _MM_HINT_T0);
-            if (NV > 2) _mm_prefetch(reinterpret_cast<const char*>(qp + pf + 32), _MM_HINT_T0);
-          }
-          __m512 wl[NV], wh[NV];
 #pragma GCC unroll 16
-          for (int v = 0; v < NV; ++v) {
-            __m128i b;
-            if (tail && v == NV - 1)
-              b = _mm_maskz_loadu_epi8(tmask, qp + 16 * v);
-            else
-              b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + 16 * v));
-            const __m512i d = _mm512_cvtepu8_epi32(b);
-#if QMM_INT4_LUT
-            // vpermps reads only the low 4 bits of each index: a 16-entry table lookup.
-            wl[v] = _mm512_permutexvar_ps(d, lut);
-            wh[v] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
-#else
-            wl[v] = _mm512_cvtepi32_ps(_mm512_and_si512(d, lo_mask));
-            wh[v] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
-#endif
-          }
+        for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r) {
+            const __m512 xb = _mm512_set1_ps(xp[m * K + kk + r]);
 #pragma GCC unroll 16
-          for (int m = 0; m < MB; ++m) {
-            const __m512 x0 = _mm512_set1_ps(xp[m * K + 2 * kk]);
-            const __m512 x1 = _mm512_set1_ps(xp[m * K + 2 * kk + 1]);
-#pragma GCC unroll 16
-            for (int v = 0; v < NV; ++v) {
-              acc[m][v] = _mm512_fmadd_ps(x0, wl[v], acc[m][v]);
-              acc[m][v] = _mm512_fmadd_ps(x1, wh[v], acc[m][v]);
-            }
+            for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(xb, w[v][r], acc[m][v]);
           }
-        }
+      }
+      if (kPairs<F, NV, TAIL>) {
+        // Back to column order: acc[v] columns 0..15 of the pair, acc[v+1] columns 16..31.
+        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#pragma GCC unroll 16
+        for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+          for (int v = 0; v < NV; v += 2) {
+            const __m512 e = acc[m][v], o2 = acc[m][v + 1];
+            acc[m][v] = _mm512_permutex2var_ps(e, lo, o2);
+            acc[m][v + 1] = _mm512_permutex2var_ps(e, hi, o2);
+          }
       }
       // y += acc * scale (+ sum(x) * offset).
 #pragma GCC unroll 16
@@ -327,23 +403,28 @@ constexpr int kMaxNV = 4;
 
 // Instantiated: 64-column chunks (NV=4) and single vectors (NV=1, the band remainders), the
 // latter also with a masked tail; MB = 1..4.
-template <bool INT4, bool OFF>
+template <Fmt F, bool OFF>
 struct TileTable {
-  static constexpr TileFn wide[kMaxMB] = {tile_avx512<1, 4, INT4, OFF, false>, tile_avx512<2, 4, INT4, OFF, false>,
-                                          tile_avx512<3, 4, INT4, OFF, false>, tile_avx512<4, 4, INT4, OFF, false>};
-  static constexpr TileFn one[kMaxMB] = {tile_avx512<1, 1, INT4, OFF, false>, tile_avx512<2, 1, INT4, OFF, false>,
-                                         tile_avx512<3, 1, INT4, OFF, false>, tile_avx512<4, 1, INT4, OFF, false>};
-  static constexpr TileFn tail[kMaxMB] = {tile_avx512<1, 1, INT4, OFF, true>, tile_avx512<2, 1, INT4, OFF, true>,
-                                          tile_avx512<3, 1, INT4, OFF, true>, tile_avx512<4, 1, INT4, OFF, true>};
+  static constexpr TileFn wide[kMaxMB] = {tile_avx512<1, 4, F, OFF, false>, tile_avx512<2, 4, F, OFF, false>,
+                                          tile_avx512<3, 4, F, OFF, false>, tile_avx512<4, 4, F, OFF, false>};
+  static constexpr TileFn one[kMaxMB] = {tile_avx512<1, 1, F, OFF, false>, tile_avx512<2, 1, F, OFF, false>,
+                                         tile_avx512<3, 1, F, OFF, false>, tile_avx512<4, 1, F, OFF, false>};
+  static constexpr TileFn tail[kMaxMB] = {tile_avx512<1, 1, F, OFF, true>, tile_avx512<2, 1, F, OFF, true>,
+                                          tile_avx512<3, 1, F, OFF, true>, tile_avx512<4, 1, F, OFF, true>};
 };
 
-// kind: 0 wide (NV=4), 1 one vector, 2 one masked vector.
-TileFn lookup_tile(bool int4, bool off, int kind, int mb) {
+// kind: 0 wide (NV=4), 1 one vector, 2 one masked vector.  The dense formats have no offset.
+TileFn lookup_tile(Fmt fmt, bool off, int kind, int mb) {
   const int i = mb - 1;
-#define QMM_PICK(I4, OF) \
-  (kind == 0 ? TileTable<I4, OF>::wide[i] : kind == 1 ? TileTable<I4, OF>::one[i] : TileTable<I4, OF>::tail[i])
-  if (int4) return off ? QMM_PICK(true, true) : QMM_PICK(true, false);
-  return off ? QMM_PICK(false, true) : QMM_PICK(false, false);
+#define QMM_PICK(F, OF) \
+  (kind == 0 ? TileTable<F, OF>::wide[i] : kind == 1 ? TileTable<F, OF>::one[i] : TileTable<F, OF>::tail[i])
+  switch (fmt) {
+    case kInt4: return off ? QMM_PICK(kInt4, true) : QMM_PICK(kInt4, false);
+    case kInt8: return off ? QMM_PICK(kInt8, true) : QMM_PICK(kInt8, false);
+    case kF32: return QMM_PICK(kF32, false);
+    case kBF16: return QMM_PICK(kBF16, false);
+  }
+  return nullptr;
 #undef QMM_PICK
 }
 
@@ -361,46 +442,48 @@ struct alignas(64) Panel {
 };
 
 // Widens rows [k0, k0+rows) of group `gi`, columns [c, c+64) (zero beyond ncols) into P.
+template <Fmt F>
 QMM_TARGET void fill_panel(const Job& J, int64_t gi, int64_t k0, int64_t rows, int64_t c, int ncols,
                            Panel& P) {
-  const int64_t N = J.N, g = J.g;
+  constexpr int R = kRowsPerLoad<F>;
+  constexpr int64_t EB = kElemBytes<F>;
   __mmask16 vm[4];
   for (int v = 0; v < 4; ++v) {
     const int n = std::max(0, std::min(16, ncols - 16 * v));
     vm[v] = static_cast<__mmask16>((1u << n) - 1u);
   }
-  if (J.bits == 8) {
-    const int8_t* qp = reinterpret_cast<const int8_t*>(J.q) + (gi * g + k0) * N + c;
-    const int64_t pf = prefetch_offset(J, gi);
-    for (int64_t k = 0; k < rows; ++k, qp += N) {
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(qp + pf), _MM_HINT_T0);
+  const uint8_t* qp = row_ptr(J, gi * J.g + k0, c);
+  const int64_t stride = J.N * EB, pf = prefetch_offset(J, gi);
+  for (int64_t k = 0; k < rows; k += R, qp += stride) {
+    if (pf) prefetch_span<64 * EB>(qp + pf);
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m128i b = _mm_maskz_loadu_epi8(vm[v], qp + 16 * v);
-        _mm512_store_ps(&P.w[k][16 * v], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
-      }
-    }
-  } else {
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const uint8_t* qp = J.q + (gi * g + k0) / 2 * N + c;
-    const int64_t pf = prefetch_offset(J, gi);
-    for (int64_t k = 0; k < rows; k += 2, qp += N) {
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(qp + pf), _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(vm[v], qp + 16 * v));
-        _mm512_store_ps(&P.w[k][16 * v], _mm512_permutexvar_ps(d, lut));
-        _mm512_store_ps(&P.w[k + 1][16 * v], _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut));
-      }
+    for (int v = 0; v < 4; ++v) {
+      __m512 w[R];
+      load16<F>(qp + 16 * v * EB, true, vm[v], w);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) _mm512_store_ps(&P.w[k + r][16 * v], w[r]);
     }
   }
+}
+
+using FillFn = void (*)(const Job&, int64_t, int64_t, int64_t, int64_t, int, Panel&);
+
+FillFn lookup_fill(Fmt fmt) {
+  switch (fmt) {
+    case kInt8: return fill_panel<kInt8>;
+    case kInt4: return fill_panel<kInt4>;
+    case kF32: return fill_panel<kF32>;
+    case kBF16: return fill_panel<kBF16>;
+  }
+  return nullptr;
 }
 
 QMM_TARGET void fill_panel_scales(const Job& J, int64_t gi, int64_t c, int ncols, Panel& P) {
   for (int v = 0; v < 4; ++v) {
     const int n = std::max(0, std::min(16, ncols - 16 * v));
     const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
-    _mm512_store_ps(&P.s[16 * v], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.scale + gi * J.N + c + 16 * v)));
+    _mm512_store_ps(&P.s[16 * v], J.scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.scale + gi * J.N + c + 16 * v))
+                                          : _mm512_set1_ps(1.f));
     if (J.off)
       _mm512_store_ps(&P.o[16 * v], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.off + gi * J.N + c + 16 * v)));
   }
@@ -485,6 +568,7 @@ QMM_TARGET void avx512_panel_range(const Job& J, int64_t u0, int64_t u1) {
   int64_t band = kBandYBytes / (M * 4);  // columns
   band = std::max<int64_t>(64, band / 64 * 64);
   const bool off = J.off != nullptr;
+  const FillFn fill = lookup_fill(J.fmt);
   const int64_t mfull = M / kPanelMB, mlast = M % kPanelMB;
   const PanelFn f_full = lookup_panel(off, kPanelMB);
   const PanelFn f_last = mlast ? lookup_panel(off, static_cast<int>(mlast)) : nullptr;
@@ -503,10 +587,11 @@ QMM_TARGET void avx512_panel_range(const Job& J, int64_t u0, int64_t u1) {
       for (int64_t c = cb; c < ce; c += 64) {
         const int ncols = static_cast<int>(std::min<int64_t>(64, ce - c));
         fill_panel_scales(J, gi, c, ncols, *P);
-        for (int64_t k0 = 0; k0 < g; k0 += kMaxGroup) {
-          const int64_t rows = std::min<int64_t>(kMaxGroup, g - k0);
-          const bool first = k0 == 0, last = k0 + rows == g;
-          fill_panel(J, gi, k0, rows, c, ncols, *P);
+        const int64_t grows = group_rows(J, gi);
+        for (int64_t k0 = 0; k0 < grows; k0 += kMaxGroup) {
+          const int64_t rows = std::min<int64_t>(kMaxGroup, grows - k0);
+          const bool first = k0 == 0, last = k0 + rows == grows;
+          fill(J, gi, k0, rows, c, ncols, *P);
           for (int64_t b = 0; b < mfull; ++b) {
             auto* carry = split ? reinterpret_cast<__m512(*)[4]>(&carry_buf[b * kPanelMB * 4]) : nullptr;
             f_full(J, *P, b * kPanelMB, gi, c, ncols, carry, gi * g + k0, rows, first, last);
@@ -518,6 +603,35 @@ QMM_TARGET void avx512_panel_range(const Job& J, int64_t u0, int64_t u1) {
         }
       }
     }
+  }
+}
+
+// Band width in units of 16 columns (a multiple of kMaxNV): y of the band stays in L2.
+inline int64_t band_units(const Job& J) {
+  return std::max<int64_t>(kMaxNV, kBandYBytes / (J.M * 64) / kMaxNV * kMaxNV);
+}
+
+// Group gi of W times every row of x, for the columns [16*ub, 16*ue) (within one band),
+// accumulated into y.
+void avx512_group_band(const Job& J, int64_t gi, int64_t ub, int64_t ue) {
+  const bool off = J.off != nullptr;
+  const int64_t rem = J.N % 16;
+  const __mmask16 tmask = rem ? static_cast<__mmask16>((1u << rem) - 1u) : static_cast<__mmask16>(0xffff);
+  // M-blocks: as many full blocks of kMaxMB as fit, then one smaller block.
+  const int64_t mfull = J.M / kMaxMB, mlast = J.M % kMaxMB;
+  const bool has_tail = rem != 0 && ue == J.units;
+  // 64-column chunks, then single vectors, the very last one masked when N % 16 != 0.
+  const int64_t nvec = ue - ub - (has_tail ? 1 : 0);
+  const int64_t nwide = nvec / kMaxNV, nsingle = nvec % kMaxNV;
+  const int64_t c_single = (ub + nwide * kMaxNV) * 16, c_tail = (ue - 1) * 16;
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t mblocks = pass == 0 ? mfull : (mlast ? 1 : 0);
+    const int mb = pass == 0 ? kMaxMB : static_cast<int>(mlast);
+    if (mblocks == 0) continue;
+    const int64_t m0 = pass == 0 ? 0 : mfull * kMaxMB;
+    if (nwide > 0) lookup_tile(J.fmt, off, 0, mb)(J, m0, mblocks, ub * 16, nwide, tmask, gi);
+    if (nsingle > 0) lookup_tile(J.fmt, off, 1, mb)(J, m0, mblocks, c_single, nsingle, tmask, gi);
+    if (has_tail) lookup_tile(J.fmt, off, 2, mb)(J, m0, mblocks, c_tail, 1, tmask, gi);
   }
 }
 
@@ -536,32 +650,21 @@ void avx512_range(const Job& J, int64_t u0, int64_t u1) {
     return;
   }
 
-  const bool int4 = J.bits == 4, off = J.off != nullptr;
-  const int64_t rem = N % 16;
-  const __mmask16 tmask = rem ? static_cast<__mmask16>((1u << rem) - 1u) : static_cast<__mmask16>(0xffff);
-  // M-blocks: as many full blocks of kMaxMB as fit, then one smaller block.
-  const int64_t mfull = J.M / kMaxMB, mlast = J.M % kMaxMB;
-  // Band width in units of 16 columns (a multiple of kMaxNV).
-  int64_t band = kBandYBytes / (J.M * 64);
-  band = std::max<int64_t>(kMaxNV, band / kMaxNV * kMaxNV);
-  for (int64_t ub = u0; ub < u1; ub += band) {
-    const int64_t ue = std::min(ub + band, u1);
-    const bool has_tail = rem != 0 && ue == J.units;
-    // 64-column chunks, then single vectors, the very last one masked when N % 16 != 0.
-    const int64_t nvec = ue - ub - (has_tail ? 1 : 0);
-    const int64_t nwide = nvec / kMaxNV, nsingle = nvec % kMaxNV;
-    const int64_t c_single = (ub + nwide * kMaxNV) * 16, c_tail = (ue - 1) * 16;
-    for (int64_t gi = 0; gi < J.G; ++gi) {
-      for (int pass = 0; pass < 2; ++pass) {
-        const int64_t mblocks = pass == 0 ? mfull : (mlast ? 1 : 0);
-        const int mb = pass == 0 ? kMaxMB : static_cast<int>(mlast);
-        if (mblocks == 0) continue;
-        const int64_t m0 = pass == 0 ? 0 : mfull * kMaxMB;
-        if (nwide > 0) lookup_tile(int4, off, 0, mb)(J, m0, mblocks, ub * 16, nwide, tmask, gi);
-        if (nsingle > 0) lookup_tile(int4, off, 1, mb)(J, m0, mblocks, c_single, nsingle, tmask, gi);
-        if (has_tail) lookup_tile(int4, off, 2, mb)(J, m0, mblocks, c_tail, 1, tmask, gi);
-      }
-    }
+  for (int64_t ub = u0; ub < u1; ub += band_units(J))
+    for (int64_t gi = 0; gi < J.G; ++gi) avx512_group_band(J, gi, ub, std::min(ub + band_units(J), u1));
+}
+
+// K slabs [s0, s1) (see Job::slabs), all columns each.
+void avx512_slab_range(const Job& J, int64_t s0, int64_t s1) {
+  const int64_t MN = J.M * J.N;
+  for (int64_t s = s0; s < s1; ++s) {
+    Job S = J;
+    S.y = J.part + s * MN;
+    std::memset(S.y, 0, sizeof(float) * MN);
+    const int64_t g0 = s * J.G / J.slabs, g1 = (s + 1) * J.G / J.slabs;
+    S.G = g1;  // no prefetching past the slab (prefetch_offset)
+    for (int64_t ub = 0; ub < J.units; ub += band_units(J))
+      for (int64_t gi = g0; gi < g1; ++gi) avx512_group_band(S, gi, ub, std::min(ub + band_units(J), J.units));
   }
 }
 
@@ -582,6 +685,7 @@ inline void set_fp_mode(unsigned v) { _mm_setcsr(v); }
 #else  // !QMM_X86
 
 void avx512_range(const Job& J, int64_t u0, int64_t u1) { scalar_range(J, u0, u1); }
+void avx512_slab_range(const Job&, int64_t, int64_t) {}  // never used: simd is false
 bool cpu_has_avx512() { return false; }
 inline void cpu_relax() {}
 inline unsigned get_fp_mode() { return 0; }
@@ -611,9 +715,12 @@ int default_threads() {
   return hc ? static_cast<int>(hc) : 1;
 }
 
-// Work is handed out in chunks (column ranges) through one atomic word
-//   work_ = [job serial : 24][participants : 8][chunk count : 16][next chunk : 16]
-// that the caller and the workers claim from with compare-and-swap.  A claim succeeds only
+// Work is handed out in chunks (column ranges, or K slabs) through one atomic word
+//   work_ = [job serial : 24][participants : 8][front : 16][back : 16]
+// that the caller and the workers claim from with compare-and-swap: chunks [front, back) are
+// left; the caller takes them from the front, workers from the back, so that with repeated
+// calls on the same weights each thread tends to get the same chunks (and finds them in its
+// own L2).  A claim succeeds only
 // while the word still names the job the claimant saw, so a worker that wakes late cannot take
 // a chunk of a finished job, and the caller does whatever nobody else took: if a worker is
 // descheduled (the machine is oversubscribed) the caller waits only for chunks already claimed.
@@ -643,7 +750,7 @@ class Pool {
     done_.store(0, std::memory_order_relaxed);
     serial_ = (serial_ + 1) & 0xffffffu;
     const uint64_t w = (serial_ << 40) | (static_cast<uint64_t>(parts & 0xff) << 32) |
-                       (static_cast<uint64_t>(nchunks) << 16);
+                       static_cast<uint64_t>(nchunks);
     work_.store(w, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       { std::lock_guard<std::mutex> lk(mu_); }
@@ -668,13 +775,15 @@ class Pool {
     uint64_t w = work_.load(std::memory_order_acquire);
     for (;;) {
       if ((w >> 32) != tag) break;
-      const uint64_t n = (w >> 16) & 0xffff, i = w & 0xffff;
-      if (i >= n) break;
-      if (!work_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+      const uint64_t front = (w >> 16) & 0xffff, back = w & 0xffff;
+      if (front >= back) break;
+      const uint64_t i = t == 0 ? front : back - 1;
+      if (!work_.compare_exchange_weak(w, t == 0 ? w + (1u << 16) : w - 1, std::memory_order_acq_rel,
+                                       std::memory_order_acquire))
         continue;
       const Job& J = *job_;
       const int64_t u0 = J.chunk_units * static_cast<int64_t>(i);
-      const int64_t u1 = std::min(J.units, u0 + J.chunk_units);
+      const int64_t u1 = std::min(J.items, u0 + J.chunk_units);
       fn_(J, u0, u1);
       ++ran;
       w = work_.load(std::memory_order_acquire);
@@ -799,12 +908,14 @@ struct Adaptive {
   }
 } g_adapt;
 
-void run_job(Job& J, bool use_simd) {
-  const RangeFn fn = use_simd ? avx512_range : scalar_range;
-  const int64_t qbytes = (J.bits == 8 ? J.K : J.K / 2) * J.N;
+// Runs fn over the job's items [0, J.items), shared with the pool when the job is large enough
+// (and has min_items or more items): about chunks_per_thread chunks per thread, each a multiple
+// of `align` items.
+void run_job(Job& J, RangeFn fn, int64_t align, int64_t min_items, int64_t chunks_per_thread) {
+  const int64_t qbytes = weight_bytes(J);
   int want = 1;
   if (qbytes * std::max<int64_t>(1, J.M) >= g_min_parallel_bytes.load(std::memory_order_relaxed) &&
-      J.units >= 8) {
+      J.items >= min_items) {
     want = 256;
     const int active = g_active_threads.load(std::memory_order_relaxed);
     if (active > 0) want = active;
@@ -818,14 +929,12 @@ void run_job(Job& J, bool use_simd) {
       if (n > 1 && !g_pool) g_pool = new Pool(n);
       if (g_pool) {
         want = std::min(want, g_pool->size());
-        // About kChunksPerThread chunks per thread, each a multiple of 4 units (64 columns).
-        constexpr int64_t kChunksPerThread = 4;
-        int64_t cu = (J.units + want * kChunksPerThread - 1) / (want * kChunksPerThread);
-        cu = std::max<int64_t>(4, (cu + 3) / 4 * 4);
-        int64_t nchunks = (J.units + cu - 1) / cu;
+        int64_t cu = (J.items + want * chunks_per_thread - 1) / (want * chunks_per_thread);
+        cu = std::max<int64_t>(align, (cu + align - 1) / align * align);
+        int64_t nchunks = (J.items + cu - 1) / cu;
         while (nchunks > 0xffff) {
           cu *= 2;
-          nchunks = (J.units + cu - 1) / cu;
+          nchunks = (J.items + cu - 1) / cu;
         }
         if (nchunks > 1 && !g_adapt.SerialNow()) {
           J.chunk_units = cu;
@@ -844,19 +953,56 @@ void run_job(Job& J, bool use_simd) {
       }
     }
   }
-  J.chunk_units = J.units;
-  fn(J, 0, J.units);
+  J.chunk_units = J.items;
+  fn(J, 0, J.items);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Driver shared by the FFI handler and the raw C entry point
+// Drivers shared by the FFI handlers and the raw C entry points
 // ---------------------------------------------------------------------------------------------
 
-// impl: 0 auto, 1 scalar, 2 simd (falls back to scalar if unsupported)
-void qmatmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const uint16_t* off,
-                float* y, int64_t M, int64_t K, int64_t N, int bits, int64_t g, int impl,
-                std::vector<float>& xsum_buf) {
+// Rows of W per group (a blocking of K only) for the dense formats, on the register path
+// (M <= panel_min_m: the group's partial sums stay in registers across g rows, y is updated
+// once per group) and on the panel path.
+std::atomic<int> g_dense_group{env_int("JAXDEC_CPU_DENSE_GROUP", 16)};
+std::atomic<int> g_dense_group_panel{env_int("JAXDEC_CPU_DENSE_GROUP_PANEL", 256)};
+// K slabs (see Job::slabs): bytes of W per slab (0: never split K), and the largest M and
+// row of W (bytes) for which K is split.
+std::atomic<int> g_slab_bytes{env_int("JAXDEC_CPU_SLAB_BYTES", 512 * 1024)};
+constexpr int64_t kSlabMaxM = 4;
+constexpr int64_t kSlabMaxRowBytes = 16 * 1024;
+
+// Slabs of W rows for a K-split product (0: split N instead).  Depends on the shape only, never
+// on the thread count, so that results do not either.
+int64_t slab_count(const Job& J, bool simd) {
+  const int64_t target = g_slab_bytes.load(std::memory_order_relaxed);
+  const int64_t row_bytes = J.N * elem_bytes(J.fmt);
+  if (!simd || !is_dense(J.fmt) || target <= 0 || J.M > kSlabMaxM || row_bytes > kSlabMaxRowBytes ||
+      J.K * row_bytes * J.M < g_min_parallel_bytes.load(std::memory_order_relaxed))
+    return 0;
+  // About `target` bytes each, a multiple of 4 slabs (even shares for 2 or 4 threads).
+  int64_t n = (J.K * row_bytes + target - 1) / target;
+  n = (n + 3) / 4 * 4;
+  n = std::min(n, J.G);  // at least one group each
+  return n >= 2 ? n : 0;
+}
+
+// impl: 0 auto, 1 scalar, 2 simd (falls back to scalar if unsupported).  scale is null for the
+// dense formats (and g, the blocking of K, chosen here).
+void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const uint16_t* off,
+               float* y, int64_t M, int64_t K, int64_t N, Fmt fmt, int64_t g, int impl,
+               std::vector<float>& xsum_buf) {
   if (M == 0 || N == 0) return;
+  if (K == 0) {
+    std::fill(y, y + M * N, 0.f);
+    return;
+  }
+  const bool simd = impl != 1 && cpu_has_avx512();
+  if (is_dense(fmt)) {
+    const bool panel = simd && M > g_panel_min_m.load(std::memory_order_relaxed);
+    g = std::max(1, (panel ? g_dense_group_panel : g_dense_group).load(std::memory_order_relaxed));
+    g = std::min(g, K);
+  }
   Job J;
   J.x = x;
   J.q = q;
@@ -867,14 +1013,13 @@ void qmatmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const u
   J.K = K;
   J.N = N;
   J.g = g;
-  J.G = K / g;
+  J.G = (K + g - 1) / g;
   J.units = (N + 15) / 16;
-  J.bits = bits;
+  J.fmt = fmt;
   J.xsum = nullptr;
-  if (K == 0) {
-    for (int64_t i = 0; i < M * N; ++i) y[i] = 0.f;
-    return;
-  }
+  J.items = J.units;
+  J.slabs = 0;
+  J.part = nullptr;
   if (off) {
     xsum_buf.resize(static_cast<size_t>(M * J.G));
     for (int64_t m = 0; m < M; ++m)
@@ -886,14 +1031,80 @@ void qmatmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const u
       }
     J.xsum = xsum_buf.data();
   }
-  const bool simd = impl != 1 && cpu_has_avx512();
-  run_job(J, simd);
+  if (const int64_t slabs = slab_count(J, simd)) {
+    // Split K: each slab's partial product into its own buffer (one slab per chunk of work),
+    // then y = their sum, in slab order.
+    J.slabs = J.items = slabs;
+    thread_local std::vector<float> part;
+    part.resize(static_cast<size_t>(J.items * M * N));
+    J.part = part.data();
+    run_job(J, avx512_slab_range, 1, 2, J.items);
+    const int64_t MN = M * N;
+    std::memcpy(y, J.part, sizeof(float) * MN);
+    for (int64_t s = 1; s < J.items; ++s) {
+      const float* p = J.part + s * MN;
+      for (int64_t i = 0; i < MN; ++i) y[i] += p[i];
+    }
+    return;
+  }
+  // Split N: chunks of a multiple of 4 units (64 columns), about 4 per thread.
+  run_job(J, simd ? avx512_range : scalar_range, 4, 8, 4);
 }
 
 int64_t prod(ffi::Span<const int64_t> d, size_t from, size_t to) {
   int64_t p = 1;
   for (size_t i = from; i < to; ++i) p *= d[i];
   return p;
+}
+
+// Leading (vmap) dimensions of y = x @ W, shared by the handlers.  ops[0] are x's dimensions,
+// the rest those of the weight operands; each operand's leading dims are 1 or equal to y's.
+// Calls mm(idx, rows, y_out) with idx[i] the batch index of operand i and rows the rows of x
+// (and y) to multiply: once with every row folded into M when the weights are not batched,
+// else once per batch element.
+template <size_t NOps, class MM>
+ffi::Error for_each_batch(const char* name, ffi::Span<const int64_t> yd,
+                          const std::array<ffi::Span<const int64_t>, NOps>& ops, float* y, MM mm) {
+  const size_t r = yd.size();
+  const int64_t M = yd[r - 2], N = yd[r - 1];
+  bool weights_batched = false;
+  for (size_t i = 0; i + 2 < r; ++i) {
+    const int64_t b = yd[i];
+    for (size_t o = 0; o < NOps; ++o) {
+      if (ops[o][i] != 1 && ops[o][i] != b)
+        return ffi::Error::InvalidArgument(std::string(name) + ": batch dimension mismatch");
+      if (o > 0 && ops[o][i] != 1) weights_batched = true;
+    }
+  }
+  const int64_t B = prod(yd, 0, r - 2);
+  std::array<int64_t, NOps> idx{};
+  if (!weights_batched) {
+    // x's leading dims are all 1 or all equal to y's; either way its rows are contiguous.
+    if (prod(ops[0], 0, r - 2) == B) {
+      mm(idx, B * M, y);
+    } else {  // x broadcast along some batch dims: each batch element is the same product.
+      mm(idx, M, y);
+      for (int64_t b = 1; b < B; ++b) std::memcpy(y + b * M * N, y, sizeof(float) * M * N);
+    }
+    return ffi::Error::Success();
+  }
+  // General broadcasting over the leading dims.
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t rem = b;
+    std::array<int64_t, NOps> stride;
+    idx.fill(0);
+    stride.fill(1);
+    for (size_t i = r - 2; i-- > 0;) {
+      const int64_t at = rem % yd[i];
+      rem /= yd[i];
+      for (size_t o = 0; o < NOps; ++o) {
+        if (ops[o][i] != 1) idx[o] += at * stride[o];
+        stride[o] *= ops[o][i];
+      }
+    }
+    mm(idx, M, y + b * M * N);
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error QMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
@@ -903,11 +1114,12 @@ ffi::Error QMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
   const auto sd = scale.dimensions();
+  const auto od = offset.dimensions();
   const auto yd = y->dimensions();
   const size_t r = yd.size();
   if (r < 2 || xd.size() != r || qd.size() != r || sd.size() != r)
     return ffi::Error::InvalidArgument("qmatmul: operands must share a rank >= 2");
-  if (has_offset && offset.dimensions().size() != r)
+  if (has_offset && od.size() != r)
     return ffi::Error::InvalidArgument("qmatmul: offset rank mismatch");
   const int64_t M = xd[r - 2], K = xd[r - 1], N = qd[r - 1];
   const int64_t g = group_size;
@@ -921,59 +1133,51 @@ ffi::Error QMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("qmatmul: 4-bit codes must be uint8");
   if (qd[r - 2] != Kq || sd[r - 2] != G || sd[r - 1] != N || yd[r - 2] != M || yd[r - 1] != N)
     return ffi::Error::InvalidArgument("qmatmul: shape mismatch");
-  if (has_offset) {
-    const auto od = offset.dimensions();
-    if (od[r - 2] != G || od[r - 1] != N) return ffi::Error::InvalidArgument("qmatmul: offset shape");
-  }
-  // Leading (vmap) dimensions: each operand's are 1 or equal to the result's.
-  auto od = offset.dimensions();
-  bool weights_batched = false;
-  for (size_t i = 0; i + 2 < r; ++i) {
-    const int64_t b = yd[i];
-    auto ok = [b](int64_t d) { return d == 1 || d == b; };
-    if (!ok(xd[i]) || !ok(qd[i]) || !ok(sd[i]) || (has_offset && !ok(od[i])))
-      return ffi::Error::InvalidArgument("qmatmul: batch dimension mismatch");
-    if (qd[i] != 1 || sd[i] != 1 || (has_offset && od[i] != 1)) weights_batched = true;
-  }
+  if (has_offset && (od[r - 2] != G || od[r - 1] != N))
+    return ffi::Error::InvalidArgument("qmatmul: offset shape");
   const float* xp = x.typed_data();
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.untyped_data());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.typed_data());
   const uint16_t* op = has_offset ? reinterpret_cast<const uint16_t*>(offset.typed_data()) : nullptr;
-  float* yp = y->typed_data();
-  const int impl_i = static_cast<int>(impl);
+  const Fmt fmt = bits == 8 ? kInt8 : kInt4;
   thread_local std::vector<float> xsum_buf;
-  const int64_t B = prod(yd, 0, r - 2);
-  if (!weights_batched) {
-    // x's leading dims are all 1 or all equal to y's; either way its rows are contiguous.
-    const int64_t xB = prod(xd, 0, r - 2);
-    if (xB == B) {
-      qmatmul_2d(xp, qp, sp, op, yp, B * M, K, N, static_cast<int>(bits), g, impl_i, xsum_buf);
-    } else {  // x broadcast along some batch dims: each batch element is the same product.
-      qmatmul_2d(xp, qp, sp, op, yp, M, K, N, static_cast<int>(bits), g, impl_i, xsum_buf);
-      for (int64_t b = 1; b < B; ++b) std::memcpy(yp + b * M * N, yp, sizeof(float) * M * N);
-    }
-    return ffi::Error::Success();
-  }
-  // General broadcasting over the leading dims.
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t rem = b, xi = 0, qi = 0, si = 0, oi = 0;
-    int64_t xs = 1, qs = 1, ss = 1, os = 1;
-    for (size_t i = r - 2; i-- > 0;) {
-      const int64_t idx = rem % yd[i];
-      rem /= yd[i];
-      if (xd[i] != 1) xi += idx * xs;
-      if (qd[i] != 1) qi += idx * qs;
-      if (sd[i] != 1) si += idx * ss;
-      if (has_offset && od[i] != 1) oi += idx * os;
-      xs *= xd[i];
-      qs *= qd[i];
-      ss *= sd[i];
-      if (has_offset) os *= od[i];
-    }
-    qmatmul_2d(xp + xi * M * K, qp + qi * Kq * N, sp + si * G * N, op ? op + oi * G * N : nullptr,
-               yp + b * M * N, M, K, N, static_cast<int>(bits), g, impl_i, xsum_buf);
-  }
-  return ffi::Error::Success();
+  // Without an offset its slot holds `scale` again (same shape): it takes part harmlessly.
+  return for_each_batch<4>("qmatmul", yd, {xd, qd, sd, has_offset ? od : sd}, y->typed_data(),
+                           [&](const std::array<int64_t, 4>& i, int64_t rows, float* yo) {
+                             matmul_2d(xp + i[0] * M * K, qp + i[1] * Kq * N, sp + i[2] * G * N,
+                                       op ? op + i[3] * G * N : nullptr, yo, rows, K, N, fmt, g,
+                                       static_cast<int>(impl), xsum_buf);
+                           });
+}
+
+// dtype: 0 float32, 1 bfloat16 (must match w's element type).
+ffi::Error DenseMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                           int64_t dtype, int64_t impl) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  const size_t r = yd.size();
+  if (r < 2 || xd.size() != r || wd.size() != r)
+    return ffi::Error::InvalidArgument("dense_matmul: operands must share a rank >= 2");
+  const int64_t M = xd[r - 2], K = xd[r - 1], N = wd[r - 1];
+  if (wd[r - 2] != K || yd[r - 2] != M || yd[r - 1] != N)
+    return ffi::Error::InvalidArgument("dense_matmul: shape mismatch");
+  Fmt fmt;
+  if (dtype == 0 && w.element_type() == ffi::F32)
+    fmt = kF32;
+  else if (dtype == 1 && w.element_type() == ffi::BF16)
+    fmt = kBF16;
+  else
+    return ffi::Error::InvalidArgument("dense_matmul: w must be float32 (dtype=0) or bfloat16 (dtype=1)");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
+  const int64_t wbytes = K * N * elem_bytes(fmt);
+  thread_local std::vector<float> unused;
+  return for_each_batch<2>("dense_matmul", yd, {xd, wd}, y->typed_data(),
+                           [&](const std::array<int64_t, 2>& i, int64_t rows, float* yo) {
+                             matmul_2d(xp + i[0] * M * K, wp + i[1] * wbytes, nullptr, nullptr, yo, rows,
+                                       K, N, fmt, 0, static_cast<int>(impl), unused);
+                           });
 }
 
 }  // namespace
@@ -990,6 +1194,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_qmatmul, QMatmulImpl,
                                   .Attr<bool>("has_offset")
                                   .Attr<int64_t>("impl"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_dense_matmul, DenseMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // w (f32 or bf16)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int64_t>("dtype")
+                                  .Attr<int64_t>("impl"));
+
 extern "C" {
 
 // 1 if the AVX-512 path is used on this CPU.
@@ -1004,6 +1216,13 @@ int jaxdec_qmm_pool_threads() {
 // Cap on threads used per call (0: all the pool's).
 void jaxdec_qmm_set_active_threads(int n) { g_active_threads.store(n < 0 ? 0 : n); }
 void jaxdec_qmm_set_panel_min_m(int m) { g_panel_min_m.store(m); }
+// Rows of W per block for the dense formats: register path (M <= panel_min_m), panel path.
+// slab_bytes: bytes of W per K slab (0: never split K; negative: unchanged).
+void jaxdec_qmm_set_dense(int rows, int panel_rows, int slab_bytes) {
+  if (rows > 0) g_dense_group.store(rows);
+  if (panel_rows > 0) g_dense_group_panel.store(panel_rows);
+  if (slab_bytes >= 0) g_slab_bytes.store(slab_bytes);
+}
 // out[0..2]: parallel calls, bad ones (straggler or preempted caller), fallbacks to one thread.
 void jaxdec_qmm_stats(long long* out) {
   std::lock_guard<std::mutex> lk(g_pool_mu);
@@ -1019,12 +1238,22 @@ void jaxdec_qmm_set_adaptive(int on) {
 void jaxdec_qmm_set_spin_us(int us) { g_spin_us.store(us < 0 ? 0 : us); }
 void jaxdec_qmm_set_min_parallel_bytes(long long b) { g_min_parallel_bytes.store(b < 0 ? 0 : b); }
 
-// Raw entry point (no XLA): for benchmarks of the kernel alone.
+// Raw entry points (no XLA): for benchmarks of the kernel alone.
 void jaxdec_qmm_raw(const float* x, const void* q, const uint16_t* scale, const uint16_t* off,
                     float* y, long long M, long long K, long long N, int bits, long long g,
                     int impl) {
   thread_local std::vector<float> buf;
-  qmatmul_2d(x, reinterpret_cast<const uint8_t*>(q), scale, off, y, M, K, N, bits, g, impl, buf);
+  matmul_2d(x, reinterpret_cast<const uint8_t*>(q), scale, off, y, M, K, N, bits == 8 ? kInt8 : kInt4, g,
+            impl, buf);
+}
+
+// dtype: 0 float32, 1 bfloat16.
+void jaxdec_dense_raw(const float* x, const void* w, float* y, long long M, long long K, long long N,
+                      int dtype, int impl) {
+  thread_local std::vector<float> buf;
+  matmul_2d(x, reinterpret_cast<const uint8_t*>(w), nullptr, nullptr, y, M, K, N, dtype == 1 ? kBF16 : kF32, 0,
+            impl, buf);
 }
 
 }  // extern "C"
+
