@@ -43,7 +43,8 @@ $(VENV)/.test: pyproject.toml $(VENV)/.demo
 # llama-cpp-python, which compiles from source on install (~7 min on 2 cores). The native
 # build dies with SIGILL in ggml's AMX matmul on these CPUs, so it is built for AVX-512
 # explicitly with AMX off; --no-deps keeps pip from touching numpy, its runtime deps are
-# installed by name. Nothing else depends on this target.
+# installed by name. The build is skipped when that version is installed already (a touched
+# pyproject.toml need not cost 7 minutes). Nothing else depends on this target.
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
@@ -55,7 +56,8 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.test
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" \
 		"diskcache>=5.6.1" "jinja2>=2.11.3"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
+	$(BIN)/python -m pip show llama-cpp-python 2>/dev/null | grep -qx "Version: $(LLAMA_CPP_VERSION)" || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
 		--force-reinstall --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	$(BIN)/python -c "from llama_cpp import Llama"
 	touch $@

@@ -202,7 +202,7 @@ def main():
     # MAX_DENSE_KERNEL_M where `qmatmul` / `dense_matmul` would hand over to XLA: the table is
     # what sets those crossovers.
     ck.MAX_KERNEL_M = 1 << 30
-    ck.MAX_DENSE_KERNEL_M = 1 << 30
+    ck.MAX_DENSE_KERNEL_M = dict.fromkeys(ck.MAX_DENSE_KERNEL_M, 1 << 30)
     shapes = {"smol": SMOL, "qwen": QWEN, "all": SMOL + QWEN}[args.shapes]
     Ms = [int(m) for m in args.m.split(",")]
     if args.quick:

@@ -263,7 +263,7 @@ def _dense_calls(hlo_text):
 @pytest.fixture
 def dense_kernel_any_m(monkeypatch):
     """Route every M to the kernel (M >= MAX_DENSE_KERNEL_M would otherwise go to XLA)."""
-    monkeypatch.setattr(ck, "MAX_DENSE_KERNEL_M", 1 << 30)
+    monkeypatch.setattr(ck, "MAX_DENSE_KERNEL_M", dict.fromkeys(ck.MAX_DENSE_KERNEL_M, 1 << 30))
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
@@ -358,19 +358,24 @@ def test_dense_lowering_cpu_and_cuda(dtype, monkeypatch):
     assert "custom_call" not in text and "dot_general" in text
 
 
-def test_dense_large_m_and_other_dtypes_use_xla():
-    M = ck.MAX_DENSE_KERNEL_M
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_dense_large_m_uses_xla(dtype):
+    M = ck.MAX_DENSE_KERNEL_M[jnp.dtype(dtype).name]
     f = jax.jit(ck.dense_matmul)
-    args = (jax.ShapeDtypeStruct((M, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
-    assert not _dense_calls(f.lower(*args).as_text())
-    small = (jax.ShapeDtypeStruct((M - 1, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
-    assert _dense_calls(f.lower(*small).as_text())
+    w = jax.ShapeDtypeStruct((64, 32), dtype)
+    assert not _dense_calls(f.lower(jax.ShapeDtypeStruct((M, 64), jnp.float32), w).as_text())
+    assert _dense_calls(f.lower(jax.ShapeDtypeStruct((M - 1, 64), jnp.float32), w).as_text())
+
+
+def test_dense_other_dtypes_use_xla():
+    f = jax.jit(ck.dense_matmul)
     # float16 weights: XLA, same contract
     x, w = make_dense(3, 64, 24, jnp.float16, seed=8)
     assert not _dense_calls(f.lower(x, w).as_text())
     y = f(x, w)
     assert y.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_dense_matches_xla_path():

@@ -74,8 +74,12 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 # slower at M = 512 (both are then FMA-bound on f32; XLA's GEMM blocks better).
 MAX_KERNEL_M = 256
 
-# The same for `dense_matmul` (XLA: `jnp.dot`).  DENSE_THRESHOLD_NOTE
-MAX_DENSE_KERNEL_M = 32
+# The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured the same way on the
+# SmolLM2 shapes: float32, the kernel is ahead of XLA's dot up to M = 64 (by up to 3x on the
+# LM head at M = 8), level at M = 128 and behind from M = 256 (3-8% at M = 512); bfloat16, XLA
+# widens the whole matrix to f32 on every call, and the kernel stays ahead up to M = 512
+# (6-18%), level or behind from M = 1024.
+MAX_DENSE_KERNEL_M = {"float32": 128, "bfloat16": 1024}
 
 # Weight dtypes the dense kernel reads, and the `dtype` attribute of each.
 _DENSE_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}
@@ -372,7 +376,7 @@ def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
     The f32 products are accumulated in f32, x is taken in f32 (bfloat16 weights are widened
     exactly), so the result differs from the exact product by f32 rounding only.  Dispatch as
     in `qmatmul`: the C++ kernel on CPU (when `available()` and the folded row count is below
-    MAX_DENSE_KERNEL_M), `dense_matmul_xla` (``jnp.dot(x, w, preferred_element_type=f32)``)
+    MAX_DENSE_KERNEL_M[w.dtype]), `dense_matmul_xla` (``jnp.dot(x, w, preferred_element_type=f32)``)
     otherwise and on other backends; so are weights of any other dtype.  Works under jit, in
     loops and under vmap.
 
@@ -386,4 +390,5 @@ def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
     if jnp.dtype(w.dtype) not in _DENSE_DTYPES:
         return dense_matmul_xla(x, w)
     kernel = functools.partial(_dense_ffi, impl=code)
-    return _dispatch(x, (w,), w.shape[1], MAX_DENSE_KERNEL_M, kernel, dense_matmul_xla)
+    max_m = MAX_DENSE_KERNEL_M[jnp.dtype(w.dtype).name]
+    return _dispatch(x, (w,), w.shape[1], max_m, kernel, dense_matmul_xla)

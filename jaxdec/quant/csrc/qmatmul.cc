@@ -11,22 +11,22 @@
 //   "groups" that only block K, the last one possibly short).
 //
 // The AVX-512 path widens the codes to f32 (int8: vpmovsxbd + vcvtdq2ps; int4: vpmovzxbd and a
-// 16-entry vpermps table per nibble; bf16: vpmovzxwd + a 16-bit shift, exact) and FMAs them
-// against broadcast x.  M <= 8: per-group register accumulators for an M-block of up to 4 rows
-// x 64 columns, scale/offset applied at the end of each group.  M > 8: each group's 64-column
-// chunk is widened once into an L1 panel and consumed by blocks of 6 rows.  No quantisation of
-// x: the only error is f32 rounding.  A portable scalar path is used when the CPU lacks AVX-512
-// (chosen at run time; the AVX-512 functions carry target attributes, so the library builds
-// with plain -O3 and runs anywhere).
+// 16-entry vpermps table per nibble; bf16: a shift or a mask of each 32-bit lane, exact, see
+// load32_bf16) and FMAs them against broadcast x.  M <= 8: per-group register accumulators for
+// an M-block of up to 4 rows x 64 columns, scale/offset applied at the end of each group.
+// M > 8: each group's 64-column chunk is widened once into an L1 panel and consumed by blocks of
+// 6 rows.  No quantisation of x: the only error is f32 rounding.  A portable scalar path is used
+// when the CPU lacks AVX-512 (chosen at run time; the AVX-512 functions carry target attributes,
+// so the library builds with plain -O3 and runs anywhere).
 //
 // Work is split over N (in chunks of 64-column multiples) between the calling thread and a
 // small persistent pool of workers that spin for a while after each job and then sleep on a
-// condvar; chunks are claimed dynamically, and the pool backs off to one thread when the
-// machine is oversubscribed (see Adaptive).  Columns never depend on the split, so results are
-// bitwise identical for any thread count.  Dense matrices with short rows and M <= 4 are split
-// over K instead (slabs of rows, each a contiguous stretch of memory; see slab_count): the
-// partial products are summed in slab order, and the slabs depend on the shape only, so these
-// results too are the same for any thread count.
+// condvar; chunks are claimed dynamically (see Pool), and the pool backs off to one thread when
+// the machine is oversubscribed (see Adaptive).  Columns never depend on the split, so results
+// are bitwise identical for any thread count.  Dense matrices with short rows and M <= 4 are
+// split over K instead (slabs of rows, each a contiguous stretch of memory; see slab_count):
+// the partial products are summed in slab order, and the slabs depend on the shape only, so
+// these results too are the same for any thread count.
 //
 // Exported:
 //   jaxdec_qmatmul            the XLA FFI handler for quantised W (typed API)
@@ -260,7 +260,8 @@ constexpr int64_t kElemBytes = F == kF32 ? 4 : F == kBF16 ? 2 : 1;
 template <Fmt F>
 QMM_TARGET QMM_INLINE void load16(const uint8_t* p, bool masked, __mmask16 mask, __m512* w) {
   if (F == kInt8 || F == kInt4) {
-    const __m128i b = masked ? _mm_maskz_loadu_epi8(mask, p) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b =
+        masked ? _mm_maskz_loadu_epi8(mask, p) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     if (F == kInt8) {
       w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     } else {
@@ -279,7 +280,8 @@ QMM_TARGET QMM_INLINE void load16(const uint8_t* p, bool masked, __mmask16 mask,
     const float* f = reinterpret_cast<const float*>(p);
     w[0] = masked ? _mm512_maskz_loadu_ps(mask, f) : _mm512_loadu_ps(f);
   } else {
-    const __m256i h = masked ? _mm256_maskz_loadu_epi16(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i h =
+        masked ? _mm256_maskz_loadu_epi16(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 }
@@ -322,10 +324,12 @@ QMM_TARGET void tile_avx512(const Job& J, int64_t m0, int64_t mblocks, int64_t c
         continue;
       }
       const uint16_t* sp = J.scale + gi * N + c + 16 * v;
-      s[v] = _mm512_cvtph_ps(mv ? _mm256_maskz_loadu_epi16(tmask, sp) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)));
+      s[v] = _mm512_cvtph_ps(mv ? _mm256_maskz_loadu_epi16(tmask, sp)
+                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)));
       if (OFF) {
         const uint16_t* op = J.off + gi * N + c + 16 * v;
-        o[v] = _mm512_cvtph_ps(mv ? _mm256_maskz_loadu_epi16(tmask, op) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op)));
+        o[v] = _mm512_cvtph_ps(mv ? _mm256_maskz_loadu_epi16(tmask, op)
+                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op)));
       }
     }
     for (int64_t mb = 0; mb < mblocks; ++mb) {
@@ -482,8 +486,9 @@ QMM_TARGET void fill_panel_scales(const Job& J, int64_t gi, int64_t c, int ncols
   for (int v = 0; v < 4; ++v) {
     const int n = std::max(0, std::min(16, ncols - 16 * v));
     const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
-    _mm512_store_ps(&P.s[16 * v], J.scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.scale + gi * J.N + c + 16 * v))
-                                          : _mm512_set1_ps(1.f));
+    const __m512 s = J.scale ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.scale + gi * J.N + c + 16 * v))
+                             : _mm512_set1_ps(1.f);  // dense: scale 1
+    _mm512_store_ps(&P.s[16 * v], s);
     if (J.off)
       _mm512_store_ps(&P.o[16 * v], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.off + gi * J.N + c + 16 * v)));
   }
