@@ -214,6 +214,14 @@ def main():
               f"{'with' if args.offset else 'no'} offset\n")
         bench_table(shapes, Ms, args.offset, budget, names)
     bench_chain(budget_s=max(1.0, 2 * budget), names=names)
+    if inf["ok"]:
+        # The pool falls back to one thread for a while (100 ms to 5 s) when calls look
+        # oversubscribed (other processes, XLA's own threads): kernel numbers from such a
+        # stretch are single-threaded.
+        end = ck.info()
+        print(f"\nkernel pool during this run: {end['parallel_calls']} parallel calls, "
+              f"{end['bad_parallel_calls']} straggling or preempted, "
+              f"{end['serial_fallbacks']} fallbacks to one thread")
 
 
 if __name__ == "__main__":

@@ -111,3 +111,21 @@ def test_quantised_checkpoint_round_trip(tiny, tmp_path):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert back.weights == "int4"
+
+
+def test_params_cache_round_trips_every_format(tmp_path, monkeypatch):
+    """A second load of a registry model comes from the converted-params cache and equals
+    the first, for float32, bfloat16 (stored by numpy as raw records) and quantised weights."""
+    monkeypatch.setenv("JAXDEC_HOME", str(tmp_path))
+    try:
+        jaxdec.load("smollm2")
+    except JaxdecError as e:
+        pytest.skip(str(e))
+    for weights in ("bf16", "int4"):
+        first = jaxdec.load("smollm2", weights=weights)
+        assert any((tmp_path / ".params_cache").iterdir())
+        second = jaxdec.load("smollm2", weights=weights)
+        for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert second.weights == first.weights

@@ -54,11 +54,14 @@ def load(path: pathlib.Path):
     abstract = convert.abstract_like(transformer.declare(cfg), jnp.dtype(meta["dtype"]),
                                      meta["qarrays"])
     leaves, treedef = jax.tree.flatten(abstract)
-    arrays = jax.device_put([np.load(path / f"{i}.npy", mmap_mode="r")
-                             for i in range(len(leaves))])
-    for a, spec in zip(arrays, leaves):
+    host = [np.load(path / f"{i}.npy", mmap_mode="r") for i in range(len(leaves))]
+    # numpy stores bfloat16 as raw 2-byte records ("|V2"): view them back as bfloat16
+    host = [a.view(s.dtype) if a.dtype.kind == "V" and a.dtype.itemsize == s.dtype.itemsize
+            else a for a, s in zip(host, leaves)]
+    for a, spec in zip(host, leaves):
         if a.shape != spec.shape or a.dtype != spec.dtype:
             return None  # stale or damaged entry: the caller re-reads the source
+    arrays = jax.device_put(host)
     return cfg, jax.tree.unflatten(treedef, arrays), Tokenizer.load(path), meta["tensor_types"]
 
 

@@ -74,12 +74,14 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 # slower at M = 512 (both are then FMA-bound on f32; XLA's GEMM blocks better).
 MAX_KERNEL_M = 256
 
-# The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured the same way on the
-# SmolLM2 shapes: float32, the kernel is ahead of XLA's dot up to M = 64 (by up to 3x on the
-# LM head at M = 8), level at M = 128 and behind from M = 256 (3-8% at M = 512); bfloat16, XLA
-# widens the whole matrix to f32 on every call, and the kernel stays ahead up to M = 512
-# (6-18%), level or behind from M = 1024.
-MAX_DENSE_KERNEL_M = {"float32": 128, "bfloat16": 1024}
+# The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured on the SmolLM2
+# shapes with the kernel and XLA in separate processes on a quiet machine (interleaved, XLA's
+# spinning GEMM threads make the pool fall back to one thread): float32, the kernel is ahead at
+# M = 1 and 8 (up to 2.6x on the LM head at M = 8), level at M = 32 and behind on most shapes
+# from M = 64 (XLA's GEMM, 2x at M = 512); bfloat16, XLA widens the matrix to f32 on every
+# call: the kernel is ahead up to M = 64 (2.5-10x at M = 8, 1.3-1.9x at 32), level at 128,
+# behind at 512.
+MAX_DENSE_KERNEL_M = {"float32": 32, "bfloat16": 128}
 
 # Weight dtypes the dense kernel reads, and the `dtype` attribute of each.
 _DENSE_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}
