@@ -15,16 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxdec.errors import JaxdecError
-from jaxdec.quant import (
-    QArray,
-    dequantize,
-    matmul_reference,
-    pack_int4,
-    quantize,
-    take_columns,
-    unpack_int4,
-    validate,
-)
+from jaxdec.quant import *  # noqa: F403 (the package's public API, `__all__`)
+from jaxdec.quant import QArray, dequantize, quantize, validate
 from jaxdec.quant.gguf_blocks import gguf_block_bits, qarray_from_gguf
 
 GQ = gguf.GGMLQuantizationType

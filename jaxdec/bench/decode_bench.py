@@ -126,12 +126,12 @@ def run(s: Settings, log=print) -> dict:
     log(f"  {bw:.1f} GB/s")
     base = {"gguf": gguf, "model": s.model, "threads": s.threads, "batches": list(s.batches),
             "new_tokens": s.new_tokens, "repeats": s.repeats}
+    short, long = prompts(_tokenizer(s), s)  # the same ids for every system, peers alone too
+    base |= {"prompt_ids": short, "prefill_ids": long}
     systems: dict[str, dict] = {}
     ceilings: dict[str, dict] = {}
     for w in s.weights:
         model = jaxdec.load(s.model, weights=w)
-        short, long = prompts(model.tokenizer, s)
-        base |= {"prompt_ids": short, "prefill_ids": long}
         context = s.prompt_len + s.new_tokens // 2
         ceilings[w] = {str(b): round(b * bw * 1e9 / step_bytes(model, b, context), 2)
                        for b in s.batches}
@@ -156,12 +156,17 @@ def run(s: Settings, log=print) -> dict:
 
 def model_prompt_text(ids: list[int], s: Settings) -> str:
     """The CLI takes text: the 32-token prompt as text (re-encoding gives ~the same ids)."""
+    return _tokenizer(s).decode(ids)
+
+
+def _tokenizer(s: Settings):
+    """The model's tokenizer, read from the GGUF header alone (no weights)."""
     from jaxdec.checkpoint import registry
     from jaxdec.checkpoint.gguf_reader import read_gguf_header
     from jaxdec.checkpoint.tokenizer import Tokenizer
 
     path = registry.resolve(s.model) if s.model in registry.MODELS else s.model
-    return Tokenizer.from_gguf(read_gguf_header(path).metadata).decode(ids)
+    return Tokenizer.from_gguf(read_gguf_header(path).metadata)
 
 
 def _brief(r: dict) -> str:
