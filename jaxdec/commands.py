@@ -172,6 +172,8 @@ def bench(args) -> int:
         raise JaxdecError(f"--batches must be comma-separated integers (got {args.batches!r})")
     if not batches or min(batches) < 1 or args.new_tokens < 2 or args.repeats < 1:
         raise JaxdecError("--batches must be positive, --new-tokens >= 2, --repeats >= 1")
+    if not split(args.weights) and not split(args.peers):
+        raise JaxdecError("nothing to measure: give --weights and/or --peers")
     for w in split(args.weights):
         if w not in api.WEIGHTS:
             raise JaxdecError(f"unknown weight format {w!r} (one of {', '.join(api.WEIGHTS)})")

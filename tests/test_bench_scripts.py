@@ -37,10 +37,12 @@ def test_bench_jaxdec_only(tmp_path):
     assert "ratios" in r.stdout
 
 
-def test_bench_rejects_bad_flags():
-    r = subprocess.run([sys.executable, "-m", "jaxdec", "bench", "--batches", "1,x"],
+@pytest.mark.parametrize("flags, word", [(["--batches", "1,x"], "--batches"),
+                                         (["--weights", "", "--peers", ""], "nothing to measure")])
+def test_bench_rejects_bad_flags(flags, word):
+    r = subprocess.run([sys.executable, "-m", "jaxdec", "bench", *flags],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--batches" in r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and word in r.stderr
 
 
 def test_step_bytes_counts_stored_weights():

@@ -205,7 +205,7 @@ def table(report: dict) -> str:
              ("peak RSS MiB", lambda r: r.get("peak_rss_mb"))]
     fmt = lambda v: "-" if v is None else (f"{v:.3g}" if isinstance(v, float) and v < 10
                                            else f"{v:.1f}" if isinstance(v, float) else str(v))
-    width = max(14, *(len(n) for n in names))
+    width = max([14, *(len(n) for n in names)])
     out = [f"bandwidth {report['bandwidth_gbs']} GB/s (f32 matvec, {report['settings']['threads']} threads)",
            "metric".ljust(28) + "".join(n.rjust(width + 2) for n in names)]
     for label, get in rows:
