@@ -236,7 +236,8 @@ def _asymmetric_params(groups, lo: int, hi: int):
 def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = None,
              n_in: int = 1) -> QArray:
     """Round-to-nearest group-wise quantisation of a float weight of logical shape w.shape
-    (its leading `n_in` dims contracted). Pure jnp: jit it with the keywords static.
+    (its leading `n_in` dims contracted). `w` must lie inside float16's finite range
+    (|w| < 65504): scales and offsets are stored as float16. Pure jnp: jit it with the keywords static.
 
     - bits=8, symmetric (default): scale = absmax / 127, q in -127..127, no offset.
     - bits=8, asymmetric: q in -128..127 with an offset.
