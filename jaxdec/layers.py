@@ -95,14 +95,23 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
 
 
 def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-    """Reference GQA attention over one or more key blocks sharing one softmax.
+    """GQA attention over one or more key blocks sharing one softmax.
 
     q: [B, T, N, H]; each block is (k, v, mask) with k: [B, K, S_i, H], v: [B, K, H, S_i]
-    (the dense cache's layouts) and mask: bool[B, T, S_i] (True = visible). Decoding attends to two blocks, the cache as it
-    was before this step and the step's own keys, so the cache update is consumed only by
-    the loop carry and XLA writes it in place. Scores and softmax in float32; returns
-    [B, T, N, H] in q.dtype.
+    (the dense cache's layouts) and mask: bool[B, T, S_i] (True = visible). Decoding attends
+    to two blocks, the cache as it was before this step and the step's own keys, so the cache
+    update is consumed only by the loop carry and XLA writes it in place. Scores and softmax
+    in float32; returns [B, T, N, H] in q.dtype. Short query chunks (decode) run the CPU
+    kernel (`cpu_kernel.attention`), which reads only the visible keys; `attention_reference`
+    is the definition, and what runs elsewhere.
     """
+    out = cpu_kernel.attention(q, blocks, scale=1.0 / math.sqrt(q.shape[-1]),
+                               xla=attention_reference)
+    return out.astype(q.dtype)
+
+
+def attention_reference(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """`attention` in plain XLA ops (any backend): scores, masks, one softmax, values."""
     b, t, n, h = q.shape
     kv = blocks[0][0].shape[1]
     qg = q.reshape(b, t, kv, n // kv, h) * jnp.asarray(1.0 / math.sqrt(h), q.dtype)

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -43,9 +44,23 @@ def ref_weights(q, s, o, bits, g):
     return w
 
 
-def check_against(y, x, w):
+def amx_rows(M: int, impl: str = "auto", g: int = 32) -> bool:
+    """Whether the kernel computes these rows in AMX tiles (bf16 inputs, f32 sums)."""
+    return ck.has_amx() and impl != "scalar" and M >= 16 and g % 2 == 0
+
+
+def bf16_round(a) -> np.ndarray:
+    """float64 -> float32 (one rounding, as the kernel's fused multiply-add of code, scale and
+    offset) -> bfloat16 (to nearest even, as the AMX path's conversions) -> float64."""
+    return np.asarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16), np.float64)
+
+
+def check_against(y, x, w, *, amx: bool = False):
     """y vs x @ w in float64 (w float64[K, N]), within f32 rounding of sums of K products:
-    bounded relative to sum |x| |W|."""
+    bounded relative to sum |x| |W|. With `amx`, x and W are first rounded to bfloat16 as the
+    AMX path does, so its result is held to the same f32 bound."""
+    if amx:
+        x, w = bf16_round(x), bf16_round(w)
     x64 = np.asarray(x, np.float64)
     ref = x64 @ w
     bound = np.abs(x64) @ np.abs(w)
@@ -56,8 +71,9 @@ def check_against(y, x, w):
     assert np.all(err <= tol), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
 
 
-def check(y, x, q, s, o, bits, g):
-    check_against(y, x, ref_weights(q, s, o, bits, g))
+def check(y, x, q, s, o, bits, g, impl="auto"):
+    M = int(np.prod(np.shape(x)[:-1]))
+    check_against(y, x, ref_weights(q, s, o, bits, g), amx=amx_rows(M, impl, g))
 
 
 SHAPES = [(96, 100), (576, 77), (896, 130), (64, 16), (32, 1)]
@@ -80,7 +96,7 @@ def test_matches_reference(K, N, M, offset, bits):
 def test_scalar_fallback(K, N, M, offset, bits):
     x, q, s, o = make(M, K, N, bits, offset=offset, seed=1)
     f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, impl="scalar"))
-    check(f(x, q, s, o), x, q, s, o, bits, 32)
+    check(f(x, q, s, o), x, q, s, o, bits, 32, impl="scalar")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -92,7 +108,7 @@ def test_group_sizes(g, K, M, bits):
     x, q, s, o = make(M, K, 70, bits, g=g, offset=True, seed=2)
     for impl in ("auto", "scalar"):
         f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, group_size=g, impl=impl))
-        check(f(x, q, s, o), x, q, s, o, bits, g)
+        check(f(x, q, s, o), x, q, s, o, bits, g, impl=impl)
 
 
 def test_wide_parallel_and_thread_independence():
@@ -175,12 +191,30 @@ def test_lowering_cpu_and_cuda(monkeypatch):
     assert "custom_call" not in text and "dot_general" in text
 
 
-def test_large_m_uses_xla():
+def test_large_m_dispatch():
+    """Without AMX, M >= MAX_KERNEL_M goes to XLA; with it the kernel keeps every M."""
     K, N, M = 64, 32, ck.MAX_KERNEL_M
     args = (jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((K, N), jnp.int8),
             jax.ShapeDtypeStruct((K // 32, N), jnp.float16))
     f = jax.jit(lambda x, q, s: ck.qmatmul(x, q, s, None, bits=8))
-    assert not _custom_calls(f.lower(*args).as_text())
+    assert bool(_custom_calls(f.lower(*args).as_text())) == ck.has_amx()
+
+
+@pytest.mark.skipif(not ck.has_amx(), reason="this CPU has no AMX (or the OS did not grant it)")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("M,K,N", [(16, 64, 32), (32, 576, 1536), (33, 96, 70), (100, 1536, 300),
+                                   (17, 1000, 257)])
+def test_amx_rows_match_bf16_reference(M, K, N, bits):
+    """Batched rows (AMX path): equal to the float64 product of the bf16-rounded operands
+    within f32 rounding, and within bf16 rounding of the exact product; several slabs, tails
+    of every kind (rows past 32, columns past the slab, K not a multiple of 32)."""
+    g = 40 if K == 1000 else 32
+    x, q, s, o = make(M, K, N, bits, g=g, offset=True, seed=5)
+    y = np.asarray(jax.jit(lambda *a: ck.qmatmul(*a, bits=bits, group_size=g))(x, q, s, o))
+    check(y, x, q, s, o, bits, g)
+    w = ref_weights(q, s, o, bits, g)
+    exact = x.astype(np.float64) @ w
+    assert np.abs(y - exact).max() <= 2 ** -7 * (np.abs(x) @ np.abs(w)).max()
 
 
 def test_bad_arguments():
@@ -252,8 +286,9 @@ def make_dense(M, K, N, dtype, seed=0):
     return x, w
 
 
-def check_dense(y, x, w):
-    check_against(y, x, np.asarray(np.asarray(w, np.float32), np.float64))  # bf16 -> f32: exact
+def check_dense(y, x, w, impl="auto"):
+    amx = jnp.dtype(w.dtype) == jnp.bfloat16 and amx_rows(int(np.prod(np.shape(x)[:-1])), impl)
+    check_against(y, x, np.asarray(np.asarray(w, np.float32), np.float64), amx=amx)  # bf16 -> f32: exact
 
 
 def _dense_calls(hlo_text):
@@ -283,7 +318,7 @@ def test_dense_matches_reference(K, N, M, dtype, dense_kernel_any_m):
 @pytest.mark.parametrize("K,N", [(96, 100), (577, 77), (33, 1)])
 def test_dense_scalar_fallback(K, N, M, dtype):
     x, w = make_dense(M, K, N, dtype, seed=1)
-    check_dense(jax.jit(lambda x, w: ck.dense_matmul(x, w, impl="scalar"))(x, w), x, w)
+    check_dense(jax.jit(lambda x, w: ck.dense_matmul(x, w, impl="scalar"))(x, w), x, w, impl="scalar")
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
@@ -360,11 +395,22 @@ def test_dense_lowering_cpu_and_cuda(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
 def test_dense_large_m_uses_xla(dtype):
+    """Activations of the weights' dtype go to XLA's dot from MAX_DENSE_KERNEL_M rows."""
     M = ck.MAX_DENSE_KERNEL_M[jnp.dtype(dtype).name]
     f = jax.jit(ck.dense_matmul)
     w = jax.ShapeDtypeStruct((64, 32), dtype)
-    assert not _dense_calls(f.lower(jax.ShapeDtypeStruct((M, 64), jnp.float32), w).as_text())
-    assert _dense_calls(f.lower(jax.ShapeDtypeStruct((M - 1, 64), jnp.float32), w).as_text())
+    assert not _dense_calls(f.lower(jax.ShapeDtypeStruct((M, 64), dtype), w).as_text())
+    assert _dense_calls(f.lower(jax.ShapeDtypeStruct((M - 1, 64), dtype), w).as_text())
+
+
+def test_dense_bf16_weights_f32_rows():
+    """bfloat16 weights against float32 activations: XLA would widen the matrix on every call,
+    so the kernel keeps them (every M with AMX, up to 128 rows without)."""
+    f = jax.jit(ck.dense_matmul)
+    w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+    big = f.lower(jax.ShapeDtypeStruct((512, 64), jnp.float32), w).as_text()
+    assert bool(_dense_calls(big)) == ck.has_amx()
+    assert _dense_calls(f.lower(jax.ShapeDtypeStruct((127, 64), jnp.float32), w).as_text())
 
 
 def test_dense_other_dtypes_use_xla():

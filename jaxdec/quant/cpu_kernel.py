@@ -18,6 +18,12 @@ Weight format (shared with the `QArray` type; W is logical [K, N], y = x @ W):
 
 The kernel keeps x in f32 (no activation quantisation) and accumulates in f32 (bfloat16 weights
 are widened exactly): its result differs from the float64 reference by f32 rounding only.
+The exception is the AMX path (`has_amx`: batched decode and prefill, 16 rows of x or more, on
+CPUs with AMX): there x and the dequantised weights are rounded to bf16 first, as in a bf16
+framework Linear, and the tiles sum in f32.
+
+`attention` is a decode-attention kernel over the dense KV cache in the same library (same
+thread pool): it reads only the keys and values the queries can see.
 
 The shared library is compiled on first use with the system C++ compiler into
 ``$JAXDEC_KERNEL_CACHE`` (default ``~/.cache/jaxdec/kernels``), under a name keyed by the
@@ -33,6 +39,8 @@ Environment:
 * ``JAXDEC_CPU_ADAPTIVE=0``: never fall back to one thread on an oversubscribed machine.
 * ``JAXDEC_CPU_SLAB_BYTES``: dense weights, M <= 4: bytes of W per slab of rows when K is split
   across threads (default 524288; 0: always split N).
+* ``JAXDEC_CPU_AMX=0``: never use AMX tiles; ``JAXDEC_CPU_AMX_MIN_M`` (default 16): rows of x
+  from which bf16 and quantised products use them (see `has_amx`).
 * ``JAXDEC_QMM_IMPL=scalar``: force the portable path (for tests).
 * ``CXX``: the compiler (default ``g++``, then ``c++``).
 """
@@ -59,29 +67,36 @@ from jaxdec.quant.qarray import dequantize_rows
 
 __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
-    "dense_matmul_xla", "set_threads", "set_spin_us", "set_adaptive", "MAX_KERNEL_M",
-    "MAX_DENSE_KERNEL_M",
+    "dense_matmul_xla", "attention", "set_threads", "set_spin_us", "set_adaptive",
+    "MAX_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T",
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
 TARGET = "jaxdec_qmatmul"
 DENSE_TARGET = "jaxdec_dense_matmul"
+ATTENTION_TARGET = "jaxdec_attention"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 
 # Rows of x (after folding leading dimensions) from which `qmatmul` uses the XLA path
-# (dequantise + dot) instead of the kernel.  Measured with scripts/bench_qmatmul.py on a 2-vCPU
-# Sapphire Rapids: the kernel wins clearly up to M = 64, is level around M = 128..256 and 10-25%
-# slower at M = 512 (both are then FMA-bound on f32; XLA's GEMM blocks better).
+# (dequantise + dot) instead of the kernel, on CPUs without AMX.  Measured with
+# scripts/bench_qmatmul.py on a 2-vCPU Sapphire Rapids: the kernel wins clearly up to M = 64, is
+# level around M = 128..256 and 10-25% slower at M = 512 (both are then FMA-bound on f32; XLA's
+# GEMM blocks better).  With AMX (see `has_amx`) the kernel takes every M: from 16 rows on it
+# multiplies in bf16 tiles, 1.5-2x XLA's f32 GEMM.
 MAX_KERNEL_M = 256
 
 # The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured on the SmolLM2
-# shapes with the kernel and XLA in separate processes on a quiet machine (interleaved, XLA's
-# spinning GEMM threads make the pool fall back to one thread): float32, the kernel is ahead at
-# M = 1 and 8 (up to 2.6x on the LM head at M = 8), level at M = 32 and behind on most shapes
-# from M = 64 (XLA's GEMM, 2x at M = 512); bfloat16, XLA widens the matrix to f32 on every
-# call: the kernel is ahead up to M = 64 (2.5-10x at M = 8, 1.3-1.9x at 32), level at 128,
-# behind at 512.
-MAX_DENSE_KERNEL_M = {"float32": 32, "bfloat16": 128}
+# shapes with the kernel and XLA in separate processes on a quiet machine: float32, the kernel
+# is ahead at M = 1 and 8 (up to 2.6x on the LM head at M = 8), level at M = 32 and behind on
+# most shapes from M = 64 (XLA's GEMM, 2x at M = 512).  bfloat16 with bfloat16 activations:
+# XLA's dot runs on AMX/AVX512-BF16 (XNNPACK) and wins from M = 8 (1.2-2.6x at 8-32, 3x at 64);
+# bfloat16 weights with float32 activations: XLA widens the matrix to f32 on every call, so the
+# kernel keeps them (see `_dense_limit`).
+MAX_DENSE_KERNEL_M = {"float32": 32, "bfloat16": 8}
+
+# Query rows per sequence (T) up to which `attention` runs the kernel: decode steps and short
+# verification chunks.  Longer chunks (prefill) are GEMM-shaped, which XLA's dots do well.
+MAX_ATTENTION_T = 16
 
 # Weight dtypes the dense kernel reads, and the `dtype` attribute of each.
 _DENSE_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}
@@ -185,6 +200,8 @@ def _load() -> dict:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxdec_qmatmul), platform="cpu")
         jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.jaxdec_dense_matmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxdec_attention),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001 -- any failure means "not available"
         st["reason"] = f"could not load/register {path}: {type(e).__name__}: {e}"
         return st
@@ -218,6 +235,7 @@ def info() -> dict:
     if st["ok"]:
         lib = st["lib"]
         out["simd"] = bool(lib.jaxdec_qmm_has_simd())
+        out["amx"] = has_amx()
         out["threads"] = int(lib.jaxdec_qmm_pool_threads())
         stats = (ctypes.c_longlong * 3)()
         lib.jaxdec_qmm_stats(stats)
@@ -225,6 +243,20 @@ def info() -> dict:
         # how often that made the pool fall back to one thread for a while
         out["parallel_calls"], out["bad_parallel_calls"], out["serial_fallbacks"] = map(int, stats)
     return out
+
+
+def has_amx() -> bool:
+    """True when the kernel multiplies bf16 and quantised weights in AMX tiles from 16 rows
+    of x on (the CPU has AMX-BF16 and the OS granted the tile state): x and the dequantised
+    weights are then rounded to bf16, and the products summed in f32. JAXDEC_CPU_AMX=0 turns
+    the path off, JAXDEC_CPU_AMX_MIN_M moves the threshold (both read at load)."""
+    st = _get()
+    if not st["ok"]:
+        return False
+    if "amx" not in st:
+        lib = st["lib"]
+        st["amx"] = bool(lib.jaxdec_qmm_has_amx()) and lib.jaxdec_qmm_amx_min_m() > 0
+    return st["amx"]
 
 
 def set_threads(n: int) -> None:
@@ -357,7 +389,8 @@ def qmatmul(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
     code = _impl_code(impl)
     xla = functools.partial(qmatmul_xla, bits=bits, group_size=group_size)
     kernel = functools.partial(_ffi, bits=bits, group_size=group_size, impl=code)
-    return _dispatch(x, (q, scale, offset), q.shape[1], MAX_KERNEL_M, kernel, xla)
+    max_m = (1 << 62) if has_amx() else MAX_KERNEL_M
+    return _dispatch(x, (q, scale, offset), q.shape[1], max_m, kernel, xla)
 
 
 def dense_matmul_xla(x, w, *, precision=None) -> jax.Array:
@@ -370,6 +403,15 @@ def _dense_ffi(x2, w, *, impl):
     call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32),
                             vmap_method="expand_dims")
     return call(x2, w, dtype=np.int64(_DENSE_DTYPES[jnp.dtype(w.dtype)]), impl=np.int64(impl))
+
+
+def _dense_limit(x_dtype, w_dtype) -> int:
+    """Rows from which `dense_matmul` hands over to XLA's dot."""
+    name = jnp.dtype(w_dtype).name
+    if name == "bfloat16" and jnp.dtype(x_dtype) != jnp.bfloat16:
+        # XLA would widen the matrix every call; the kernel (AMX from 16 rows) does not.
+        return (1 << 62) if has_amx() else 128
+    return MAX_DENSE_KERNEL_M[name]
 
 
 def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
@@ -392,5 +434,34 @@ def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
     if jnp.dtype(w.dtype) not in _DENSE_DTYPES:
         return dense_matmul_xla(x, w)
     kernel = functools.partial(_dense_ffi, impl=code)
-    max_m = MAX_DENSE_KERNEL_M[jnp.dtype(w.dtype).name]
+    max_m = _dense_limit(x.dtype, w.dtype)
     return _dispatch(x, (w,), w.shape[1], max_m, kernel, dense_matmul_xla)
+
+
+def _attention_ffi(q, *flat, scale: float, impl: int):
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, *flat, scale=np.float32(scale), impl=np.int64(impl))
+
+
+def attention(q, blocks, *, scale: float, xla, impl: str | None = None) -> jax.Array:
+    """Attention of q [B, T, N, H] over key blocks (k [B, Kh, S, H], v [B, Kh, H, S], mask
+    bool[B, T, S]) sharing one softmax, k and v float32 or bfloat16: f32[B, T, N, H].
+
+    On CPU, when the kernel is available and T <= MAX_ATTENTION_T, the C++ kernel (one pass
+    over the visible keys and values per (sequence, kv head); keys no query sees are never
+    read). Otherwise, and on other backends, `xla(q, *blocks)`, the reference. `scale`
+    multiplies the scores (1/sqrt(H) for standard attention).
+    """
+    b, t, n, h = q.shape
+    ok = (t <= MAX_ATTENTION_T and b * t * n * h > 0 and available()
+          and all(k.dtype == v.dtype and k.dtype in _DENSE_DTYPES for k, v, _ in blocks))
+    if not ok:
+        return xla(q, *blocks)
+    flat = [a for k, v, m in blocks for a in (k, v, m.astype(bool))]
+    kernel = functools.partial(_attention_ffi, scale=float(scale), impl=_impl_code(impl))
+    q32 = q.astype(jnp.float32)
+    if PORTABLE or jax.default_backend() != "cpu":
+        unflat = lambda q_, *f: xla(q_, *zip(f[0::3], f[1::3], f[2::3]))
+        return jax.lax.platform_dependent(q32, *flat, cpu=kernel, default=unflat)
+    return kernel(q32, *flat)

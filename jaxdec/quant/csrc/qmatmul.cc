@@ -41,6 +41,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <string>
@@ -92,6 +94,10 @@ struct Job {
   int64_t slabs;
   float* part;
   Fmt fmt;
+  const void* ctx = nullptr;  // other jobs on the pool (decode attention: an AttnJob)
+  // AMX path: x rounded to bf16, zero-padded to [Mp, Kp] (multiples of 16 and 32).
+  const uint16_t* xb = nullptr;
+  int64_t Mp = 0, Kp = 0;
 };
 
 inline bool is_dense(Fmt f) { return f == kF32 || f == kBF16; }
@@ -684,6 +690,11 @@ bool cpu_has_avx512() {
 }
 
 inline void cpu_relax() { _mm_pause(); }
+
+// The first min(n, 16) lanes.
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
 inline unsigned get_fp_mode() { return _mm_getcsr(); }
 inline void set_fp_mode(unsigned v) { _mm_setcsr(v); }
 
@@ -914,12 +925,12 @@ struct Adaptive {
 } g_adapt;
 
 // Runs fn over the job's items [0, J.items), shared with the pool when the job is large enough
-// (and has min_items or more items): about chunks_per_thread chunks per thread, each a multiple
+// (work_bytes, the bytes it reads, and min_items or more items): about chunks_per_thread chunks per thread, each a multiple
 // of `align` items.
-void run_job(Job& J, RangeFn fn, int64_t align, int64_t min_items, int64_t chunks_per_thread) {
-  const int64_t qbytes = weight_bytes(J);
+void run_job(Job& J, RangeFn fn, int64_t align, int64_t min_items, int64_t chunks_per_thread,
+             int64_t work_bytes) {
   int want = 1;
-  if (qbytes * std::max<int64_t>(1, J.M) >= g_min_parallel_bytes.load(std::memory_order_relaxed) &&
+  if (work_bytes >= g_min_parallel_bytes.load(std::memory_order_relaxed) &&
       J.items >= min_items) {
     want = 256;
     const int active = g_active_threads.load(std::memory_order_relaxed);
@@ -963,6 +974,218 @@ void run_job(Job& J, RangeFn fn, int64_t align, int64_t min_items, int64_t chunk
 }
 
 // ---------------------------------------------------------------------------------------------
+// AMX path: M >= g_amx_min_m rows against bf16 or quantised W, where the CPU has AMX-BF16 and
+// the kernel grants this process the tile state.  x is rounded to bf16 once per call; each
+// 32-column block of W is dequantised (q * scale + offset, rounded to bf16; bf16 W as it is)
+// into a K x 32 slab in the tiles' pair-interleaved layout, which then meets every 32-row block
+// of x in 16x16 tile products accumulated in f32 (tdpbf16ps).  So this path computes with bf16
+// activations and bf16 weights, as a bf16 framework Linear does; the weight codes are read once
+// per call whatever M is.
+// ---------------------------------------------------------------------------------------------
+
+std::atomic<int> g_amx_min_m{env_int("JAXDEC_CPU_AMX_MIN_M", 16)};  // <= 0: never
+constexpr int64_t kAmxSlab = 128;  // columns of W dequantised per slab (4 blocks of 32)
+
+#if QMM_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")))
+
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    if (!cpu_has_avx512() || env_int("JAXDEC_CPU_AMX", 1) == 0) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    const bool avx512_bf16 = (a >> 5) & 1;
+    if (!tile || !bf16 || !avx512_bf16) return false;
+#if defined(__linux__)
+    // Linux hands out the tile data state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C (16 x 16 f32), 4-5: A (16 rows x 32 bf16 of x), 6-7: B (16 pairs of W rows x 16
+// columns, pair-interleaved).  Every tile is 16 rows of 64 bytes.
+AMX_TARGET void amx_configure() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Scale and offset of group gi at columns [c, c + 32), as f32 (0 past the masked columns).
+struct GroupScale {
+  __m512 sc[2], of[2];
+};
+
+AMX_TARGET QMM_INLINE GroupScale amx_group_scale(const Job& J, int64_t gi, int64_t c, __mmask32 cols) {
+  GroupScale s;
+  for (int h = 0; h < 2; ++h) {
+    const __mmask16 m = static_cast<__mmask16>(cols >> (16 * h));
+    s.sc[h] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.scale + gi * J.N + c + 16 * h));
+    s.of[h] = J.off ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, J.off + gi * J.N + c + 16 * h))
+                    : _mm512_setzero_ps();
+  }
+  return s;
+}
+
+// Row k (< K) of W at columns [c, c + 32) as 32 bf16 (0 past the masked columns).
+AMX_TARGET QMM_INLINE __m512i amx_row(const Job& J, int64_t k, int64_t c, __mmask32 cols, const GroupScale& s) {
+  if (J.fmt == kBF16)
+    return _mm512_maskz_loadu_epi16(cols, reinterpret_cast<const uint16_t*>(J.q) + k * J.N + c);
+  __m512 w[2];
+  if (J.fmt == kInt8) {
+    const __m256i b = _mm256_maskz_loadu_epi8(cols, reinterpret_cast<const int8_t*>(J.q) + k * J.N + c);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  } else {  // int4: row k's code is the low nibble of packed row k/2 for even k, else the high one
+    const __m256i b = _mm256_maskz_loadu_epi8(cols, J.q + (k / 2) * J.N + c);
+    const int shift = (k & 1) ? 4 : 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_cvtepu8_epi32(h ? _mm256_extracti128_si256(b, 1) : _mm256_castsi256_si128(b));
+      w[h] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15)));
+    }
+  }
+  w[0] = _mm512_fmadd_ps(w[0], s.sc[0], s.of[0]);
+  w[1] = _mm512_fmadd_ps(w[1], s.sc[1], s.of[1]);
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));
+}
+
+// The K x kAmxSlab slab of W's columns [c, c + ncols): for each block j of 32 columns, Kp x 32
+// bf16 at slab + j * Kp * 32, pair-interleaved: 128 bytes per pair of rows (2k, 2k + 1), the
+// first 64 for the block's columns 0..15 (tile 6), the next 64 for 16..31 (tile 7); zeros past
+// K and past ncols.  Rows are read group by group across the slab's full width (one to four
+// cache lines each), with the next group's rows prefetched.
+AMX_TARGET void amx_fill_slab(const Job& J, int64_t c, int64_t ncols, uint16_t* slab) {
+  alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                   8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  const int64_t blocks = (ncols + 31) / 32;
+  // Rows per step: a group of the quantised formats (their scale changes per group), 32 for bf16.
+  const int64_t step = J.fmt == kBF16 ? 32 : J.g;
+  const int64_t row_bytes = J.fmt == kBF16 ? 2 * ncols : ncols;
+  GroupScale one;
+  for (int h = 0; h < 2; ++h) {
+    one.sc[h] = _mm512_set1_ps(1.f);
+    one.of[h] = _mm512_setzero_ps();
+  }
+  for (int64_t k0 = 0; k0 < J.K; k0 += step) {
+    const int64_t k1 = std::min(J.K, k0 + step);
+    for (int64_t k = k1; k < std::min(J.K, k1 + step); ++k)  // the next step's rows
+      if (J.fmt != kInt4 || (k & 1) == 0)
+        for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row_ptr(J, k, c)) + off, _MM_HINT_T0);
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t cj = c + 32 * j, n = std::min<int64_t>(32, ncols - 32 * j);
+      const __mmask32 cols = n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+      const GroupScale s = J.fmt == kBF16 ? one : amx_group_scale(J, k0 / J.g, cj, cols);
+      uint16_t* dst = slab + j * J.Kp * 32;
+      for (int64_t k = k0; k < k1; k += 2) {
+        const __m512i a = amx_row(J, k, cj, cols, s);
+        const __m512i b = k + 1 < J.K ? amx_row(J, k + 1, cj, cols, s) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + k * 32, _mm512_permutex2var_epi16(a, il, b));
+        _mm512_storeu_si512(dst + k * 32 + 32, _mm512_permutex2var_epi16(a, ih, b));
+      }
+    }
+  }
+  // Zero rows K..Kp (K padded to a multiple of 32).
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t k = (J.K + 1) / 2 * 2; k < J.Kp; k += 2) {
+      _mm512_storeu_si512(slab + j * J.Kp * 32 + k * 32, _mm512_setzero_si512());
+      _mm512_storeu_si512(slab + j * J.Kp * 32 + k * 32 + 32, _mm512_setzero_si512());
+    }
+}
+
+// Column slabs [u0, u1) (kAmxSlab columns each).
+AMX_TARGET void amx_range(const Job& J, int64_t u0, int64_t u1) {
+  thread_local std::vector<uint16_t> tls_slab;
+  std::vector<uint16_t>& slab = tls_slab;
+  slab.resize(static_cast<size_t>(J.Kp * kAmxSlab));
+  alignas(64) float cbuf[4][16 * 16];
+  amx_configure();
+  const int64_t xstride = J.Kp * 2;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t cs = u * kAmxSlab, slab_cols = std::min<int64_t>(kAmxSlab, J.N - cs);
+    amx_fill_slab(J, cs, slab_cols, slab.data());
+    for (int64_t j = 0; j * 32 < slab_cols; ++j) {
+      const int64_t c = cs + 32 * j, ncols = std::min<int64_t>(32, J.N - c);
+      const uint16_t* bj = slab.data() + j * J.Kp * 32;
+      for (int64_t m0 = 0; m0 < J.Mp; m0 += 32) {
+        const bool two = m0 + 16 < J.Mp;
+        const uint16_t* x0 = J.xb + m0 * J.Kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < J.Kp; k += 32) {
+          _tile_loadd(6, bj + k * 32, 128);
+          _tile_loadd(7, bj + k * 32 + 32, 128);
+          _tile_loadd(4, x0 + k, xstride);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, x0 + 16 * J.Kp + k, xstride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+        if (two) {
+          _tile_stored(2, cbuf[2], 64);
+          _tile_stored(3, cbuf[3], 64);
+        }
+        const int64_t rows = std::min<int64_t>(two ? 32 : 16, J.M - m0);
+        const int64_t n0 = std::min<int64_t>(16, ncols), n1 = ncols - n0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* src = cbuf[r >= 16 ? 2 : 0] + (r % 16) * 16;
+          float* dst = J.y + (m0 + r) * J.N + c;
+          std::memcpy(dst, src, sizeof(float) * n0);
+          if (n1 > 0) std::memcpy(dst + 16, cbuf[r >= 16 ? 3 : 1] + (r % 16) * 16, sizeof(float) * n1);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x f32[M, K] -> bf16 [Mp, Kp] (round to nearest even), zero padding.
+AMX_TARGET void amx_round_x(const float* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint16_t* xb) {
+  std::memset(xb, 0, sizeof(uint16_t) * Mp * Kp);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 t = tail_mask(K - k);
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(t, x + m * K + k));
+      _mm256_mask_storeu_epi16(xb + m * Kp + k, t, reinterpret_cast<const __m256i&>(v));
+    }
+}
+
+#else
+bool cpu_has_amx() { return false; }
+void amx_range(const Job&, int64_t, int64_t) {}
+void amx_round_x(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
+#endif  // QMM_X86
+
+// ---------------------------------------------------------------------------------------------
 // Drivers shared by the FFI handlers and the raw C entry points
 // ---------------------------------------------------------------------------------------------
 
@@ -1003,7 +1226,10 @@ void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const ui
     return;
   }
   const bool simd = impl != 1 && cpu_has_avx512();
-  if (is_dense(fmt)) {
+  const int amx_min_m = g_amx_min_m.load(std::memory_order_relaxed);
+  const bool amx = simd && fmt != kF32 && (fmt == kBF16 || g % 2 == 0) && amx_min_m > 0 &&
+                   M >= amx_min_m && cpu_has_amx();
+  if (is_dense(fmt)) {  // g blocks K only (the AMX path reads bf16 rows in steps of 32)
     const bool panel = simd && M > g_panel_min_m.load(std::memory_order_relaxed);
     g = std::max(1, (panel ? g_dense_group_panel : g_dense_group).load(std::memory_order_relaxed));
     g = std::min(g, K);
@@ -1021,6 +1247,18 @@ void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const ui
   J.G = (K + g - 1) / g;
   J.units = (N + 15) / 16;
   J.fmt = fmt;
+  if (amx) {
+    J.Mp = (M + 15) / 16 * 16;
+    J.Kp = (K + 31) / 32 * 32;
+    thread_local std::vector<uint16_t> tls_xb;
+    std::vector<uint16_t>& xb = tls_xb;
+    xb.resize(static_cast<size_t>(J.Mp * J.Kp));
+    amx_round_x(x, M, K, J.Mp, J.Kp, xb.data());
+    J.xb = xb.data();
+    J.items = (N + kAmxSlab - 1) / kAmxSlab;
+    run_job(J, amx_range, 1, 2, 4, weight_bytes(J) * M);
+    return;
+  }
   J.xsum = nullptr;
   J.items = J.units;
   J.slabs = 0;
@@ -1043,7 +1281,7 @@ void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const ui
     thread_local std::vector<float> part;
     part.resize(static_cast<size_t>(J.items * M * N));
     J.part = part.data();
-    run_job(J, avx512_slab_range, 1, 2, J.items);
+    run_job(J, avx512_slab_range, 1, 2, J.items, weight_bytes(J) * M);
     const int64_t MN = M * N;
     std::memcpy(y, J.part, sizeof(float) * MN);
     for (int64_t s = 1; s < J.items; ++s) {
@@ -1053,7 +1291,7 @@ void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const ui
     return;
   }
   // Split N: chunks of a multiple of 4 units (64 columns), about 4 per thread.
-  run_job(J, simd ? avx512_range : scalar_range, 4, 8, 4);
+  run_job(J, simd ? avx512_range : scalar_range, 4, 8, 4, weight_bytes(J) * M);
 }
 
 int64_t prod(ffi::Span<const int64_t> d, size_t from, size_t to) {
@@ -1185,6 +1423,372 @@ ffi::Error DenseMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Resul
                            });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention over the KV cache
+// ---------------------------------------------------------------------------------------------
+//
+// out[b, t, n, :] = softmax_s(scale * q[b, t, n] . k[b, n/G, s]) @ v[b, n/G, :, s], one softmax
+// over the keys of all blocks (the cache before this step, the step's own keys), each block
+// with its own visibility mask[b, t, s].  Layouts are the dense cache's: k [B, Kh, S, H] (a key
+// is a contiguous row), v [B, Kh, H, S] (a value dimension is a contiguous row), float32 or
+// bfloat16; q and out float32 [B, T, N, H], N = Kh * G.  One work item is one (b, kv head): its
+// G * T queries share every key and value row read.  Keys no query of the item sees are never
+// read, and value rows are read only over the span of visible keys, so a cache read costs the
+// visible context, not the allocated capacity.  A query that sees no key gets zeros.
+// Scores, softmax and sums in f32; the AVX-512 path differs from the scalar one by rounding.
+
+struct AttnBlock {
+  const uint8_t* k;
+  const uint8_t* v;
+  const bool* mask;
+  int64_t S;
+  bool bf16;
+};
+
+struct AttnJob {
+  const float* q;
+  float* out;
+  std::vector<AttnBlock> blocks;
+  int64_t T, N, Kh, G, H, S_total;
+  float scale;
+  bool simd;
+};
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float attn_elem(const uint8_t* p, int64_t i, bool bf16) {
+  if (bf16) return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+  return reinterpret_cast<const float*>(p)[i];
+}
+
+// Per-item scratch: scaled queries [TG, H], scores [TG, S_total], row max and sum [TG],
+// visible-key span per block.
+struct AttnScratch {
+  std::vector<float> q, sc, mx, l;
+  std::vector<int64_t> lo, hi;
+};
+
+// Pass 1 (scores), shared by both paths up to the dot product (inlined into each, so the
+// AVX-512 dot is inlined too).
+template <class Dot>
+inline __attribute__((always_inline)) void attn_scores(const AttnJob& A, int64_t b, int64_t kh, AttnScratch& W, Dot dot) {
+  const int64_t T = A.T, G = A.G, H = A.H, TG = T * G, St = A.S_total;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::fill(W.mx.begin(), W.mx.end(), ninf);
+  int64_t off = 0;
+  for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
+    const AttnBlock& blk = A.blocks[bi];
+    const int64_t S = blk.S, esz = blk.bf16 ? 2 : 4;
+    const bool* mk = blk.mask + b * T * S;
+    const uint8_t* kb = blk.k + (b * A.Kh + kh) * S * H * esz;
+    int64_t lo = S, hi = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      bool any = false;
+      for (int64_t t = 0; t < T; ++t) any |= mk[t * S + s];
+      if (!any) {
+        for (int64_t i = 0; i < TG; ++i) W.sc[i * St + off + s] = ninf;
+        continue;
+      }
+      lo = std::min(lo, s);
+      hi = s + 1;
+      const uint8_t* krow = kb + s * H * esz;
+      for (int64_t t = 0; t < T; ++t) {
+        const bool see = mk[t * S + s];
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = t * G + g;
+          const float d = see ? dot(W.q.data() + i * H, krow, blk.bf16) : ninf;
+          W.sc[i * St + off + s] = d;
+          W.mx[i] = std::max(W.mx[i], d);
+        }
+      }
+    }
+    W.lo[bi] = lo;
+    W.hi[bi] = hi;
+    off += S;
+  }
+}
+
+void attn_item_scalar(const AttnJob& A, int64_t u, AttnScratch& W) {
+  const int64_t b = u / A.Kh, kh = u % A.Kh;
+  const int64_t T = A.T, G = A.G, H = A.H, TG = T * G, St = A.S_total;
+  attn_scores(A, b, kh, W, [H](const float* q, const uint8_t* k, bool bf16) {
+    float d = 0.f;
+    for (int64_t h = 0; h < H; ++h) d += q[h] * attn_elem(k, h, bf16);
+    return d;
+  });
+  for (int64_t i = 0; i < TG; ++i) {
+    float* row = W.sc.data() + i * St;
+    float sum = 0.f;
+    for (int64_t s = 0; s < St; ++s) {
+      row[s] = row[s] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(row[s] - W.mx[i]);
+      sum += row[s];
+    }
+    W.l[i] = sum;
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = t * G + g;
+      float* o = A.out + ((b * T + t) * A.N + kh * G + g) * H;
+      const float inv = W.l[i] > 0.f ? 1.f / W.l[i] : 0.f;
+      for (int64_t h = 0; h < H; ++h) {
+        float acc = 0.f;
+        int64_t off = 0;
+        for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
+          const AttnBlock& blk = A.blocks[bi];
+          const int64_t S = blk.S, esz = blk.bf16 ? 2 : 4;
+          const uint8_t* vrow = blk.v + ((b * A.Kh + kh) * H + h) * S * esz;
+          const float* p = W.sc.data() + i * St + off;
+          for (int64_t s = W.lo[bi]; s < W.hi[bi]; ++s) acc += p[s] * attn_elem(vrow, s, blk.bf16);
+          off += S;
+        }
+        o[h] = acc * inv;
+      }
+    }
+}
+
+#if QMM_X86
+
+// 16 lanes of a f32 or bf16 row from element i (the first n < 16 lanes when masked; others 0).
+QMM_TARGET QMM_INLINE __m512 attn_load16(const uint8_t* p, int64_t i, bool bf16, __mmask16 m) {
+  if (bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(p) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p) + i);
+}
+
+// e^x for x <= 0 (and -inf -> 0): x = n ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial
+// (relative error below 1e-8) scaled by 2^n.
+QMM_TARGET QMM_INLINE __m512 exp_nonpos(__m512 x) {
+  const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                              _CMP_NEQ_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
+}
+
+
+// Scores of NQ queries (rows of qs) against the keys of one block that mask row mk shows;
+// -inf for the others.  Updates the running maxima mx and the visible span [lo, hi).
+template <int NQ>
+QMM_TARGET void attn_scores_avx512(const float* qs, int64_t H, const uint8_t* kb, bool bf16,
+                                   const bool* mk, int64_t S, float* sc, int64_t St, float* mx,
+                                   int64_t& lo, int64_t& hi) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t esz = bf16 ? 2 : 4;
+  lo = S;
+  hi = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!mk[s]) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) sc[j * St + s] = ninf;
+      continue;
+    }
+    lo = std::min(lo, s);
+    hi = s + 1;
+    const uint8_t* krow = kb + s * H * esz;
+    __m512 acc[NQ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; h += 16) {
+      const __mmask16 m = tail_mask(H - h);
+      const __m512 k = attn_load16(krow, h, bf16, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qs + j * H + h), k, acc[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) {
+      const float d = _mm512_reduce_add_ps(acc[j]);
+      sc[j * St + s] = d;
+      mx[j] = std::max(mx[j], d);
+    }
+  }
+}
+
+// o[j, :] += sum over s in [lo, hi) of p[j, s] * v[:, s] for NQ rows of probabilities p.
+template <int NQ>
+QMM_TARGET void attn_values_avx512(const float* p, int64_t St, const uint8_t* vb, bool bf16, int64_t H,
+                                   int64_t S, int64_t lo, int64_t hi, float* o) {
+  const int64_t esz = bf16 ? 2 : 4;
+  for (int64_t h = 0; h < H; ++h) {
+    const uint8_t* vrow = vb + h * S * esz;
+    __m512 acc[NQ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t s = lo; s < hi; s += 16) {
+      const __mmask16 m = tail_mask(hi - s);
+      const __m512 v = attn_load16(vrow, s, bf16, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + j * St + s), v, acc[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) o[j * H + h] += _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
+// Queries (t, g0 .. g0+NQ) of item (b, kh): all blocks, softmax, values, into A.out.
+template <int NQ>
+QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int64_t t, int64_t g0,
+                                    AttnScratch& W) {
+  const int64_t H = A.H, St = A.S_total, i0 = t * A.G + g0;
+  const float* qs = W.q.data() + i0 * H;
+  float* sc = W.sc.data() + i0 * St;
+  float mx[NQ], o[NQ * 256];
+  float* out = H <= 256 ? o : W.l.data();  // (W.l is sized for larger heads, see attn_range)
+  for (int j = 0; j < NQ; ++j) mx[j] = -std::numeric_limits<float>::infinity();
+  int64_t off = 0;
+  for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
+    const AttnBlock& blk = A.blocks[bi];
+    const uint8_t* kb = blk.k + (b * A.Kh + kh) * blk.S * H * (blk.bf16 ? 2 : 4);
+    attn_scores_avx512<NQ>(qs, H, kb, blk.bf16, blk.mask + (b * A.T + t) * blk.S, blk.S, sc + off, St, mx,
+                           W.lo[bi], W.hi[bi]);
+    off += blk.S;
+  }
+  float inv[NQ];
+  for (int j = 0; j < NQ; ++j) {
+    float* row = sc + j * St;
+    const __m512 m = _mm512_set1_ps(mx[j] == -std::numeric_limits<float>::infinity() ? 0.f : mx[j]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < St; s += 16) {
+      const __mmask16 k = tail_mask(St - s);
+      const __m512 e = exp_nonpos(_mm512_sub_ps(
+          _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), k, row + s), m));
+      _mm512_mask_storeu_ps(row + s, k, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float l = _mm512_reduce_add_ps(sum);
+    inv[j] = l > 0.f ? 1.f / l : 0.f;
+  }
+  std::fill(out, out + NQ * H, 0.f);
+  off = 0;
+  for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
+    const AttnBlock& blk = A.blocks[bi];
+    const uint8_t* vb = blk.v + (b * A.Kh + kh) * H * blk.S * (blk.bf16 ? 2 : 4);
+    attn_values_avx512<NQ>(sc + off, St, vb, blk.bf16, H, blk.S, W.lo[bi], W.hi[bi], out);
+    off += blk.S;
+  }
+  for (int j = 0; j < NQ; ++j) {
+    float* dst = A.out + ((b * A.T + t) * A.N + kh * A.G + g0 + j) * H;
+    for (int64_t h = 0; h < H; ++h) dst[h] = out[j * H + h] * inv[j];
+  }
+}
+
+QMM_TARGET void attn_item_avx512(const AttnJob& A, int64_t u, AttnScratch& W) {
+  const int64_t b = u / A.Kh, kh = u % A.Kh;
+  for (int64_t t = 0; t < A.T; ++t)
+    for (int64_t g0 = 0; g0 < A.G; g0 += 8) {
+      switch (std::min<int64_t>(8, A.G - g0)) {
+        case 1: attn_queries_avx512<1>(A, b, kh, t, g0, W); break;
+        case 2: attn_queries_avx512<2>(A, b, kh, t, g0, W); break;
+        case 3: attn_queries_avx512<3>(A, b, kh, t, g0, W); break;
+        case 4: attn_queries_avx512<4>(A, b, kh, t, g0, W); break;
+        case 5: attn_queries_avx512<5>(A, b, kh, t, g0, W); break;
+        case 6: attn_queries_avx512<6>(A, b, kh, t, g0, W); break;
+        case 7: attn_queries_avx512<7>(A, b, kh, t, g0, W); break;
+        default: attn_queries_avx512<8>(A, b, kh, t, g0, W); break;
+      }
+    }
+}
+
+#else
+void attn_item_avx512(const AttnJob& A, int64_t u, AttnScratch& W) { attn_item_scalar(A, u, W); }
+#endif  // QMM_X86
+
+void attn_range(const Job& J, int64_t u0, int64_t u1) {
+  const AttnJob& A = *static_cast<const AttnJob*>(J.ctx);
+  thread_local AttnScratch tls;
+  AttnScratch& W = tls;  // one TLS lookup (the library is PIC)
+  const int64_t TG = A.T * A.G;
+  W.q.resize(static_cast<size_t>(TG * A.H));
+  W.sc.resize(static_cast<size_t>(TG * A.S_total));
+  W.mx.resize(static_cast<size_t>(TG));
+  W.l.resize(static_cast<size_t>(std::max<int64_t>(TG, 8 * A.H)));
+  W.lo.resize(A.blocks.size());
+  W.hi.resize(A.blocks.size());
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t b = u / A.Kh, kh = u % A.Kh;
+    for (int64_t t = 0; t < A.T; ++t)
+      for (int64_t g = 0; g < A.G; ++g) {
+        const float* src = A.q + ((b * A.T + t) * A.N + kh * A.G + g) * A.H;
+        float* dst = W.q.data() + (t * A.G + g) * A.H;
+        for (int64_t h = 0; h < A.H; ++h) dst[h] = src[h] * A.scale;
+      }
+    if (A.simd)
+      attn_item_avx512(A, u, W);
+    else
+      attn_item_scalar(A, u, W);
+  }
+}
+
+// args: q f32[B, T, N, H], then (k, v, mask) per block.
+ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> out,
+                         float scale, int64_t impl) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("attention: q must be [B, T, N, H]");
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3];
+  if (rest.size() == 0 || rest.size() % 3 != 0)
+    return ffi::Error::InvalidArgument("attention: blocks come as (k, v, mask) triples");
+  AttnJob A;
+  A.q = q.typed_data();
+  A.out = out->typed_data();
+  A.T = T;
+  A.N = N;
+  A.H = H;
+  A.Kh = 0;
+  A.S_total = 0;
+  A.scale = scale;
+  A.simd = impl != 1 && cpu_has_avx512();
+  int64_t bytes = 0;
+  for (size_t i = 0; i < rest.size(); i += 3) {
+    auto k = rest.get<ffi::AnyBuffer>(i);
+    auto v = rest.get<ffi::AnyBuffer>(i + 1);
+    auto m = rest.get<ffi::Buffer<ffi::PRED>>(i + 2);
+    if (!k.has_value() || !v.has_value() || !m.has_value())
+      return ffi::Error::InvalidArgument("attention: a block is not (k, v, bool mask)");
+    const auto kd = k->dimensions(), vd = v->dimensions(), md = m->dimensions();
+    if (kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+      return ffi::Error::InvalidArgument("attention: k, v must be 4-D and mask 3-D");
+    const int64_t Kh = kd[1], S = kd[2];
+    const auto et = k->element_type();
+    if ((et != ffi::F32 && et != ffi::BF16) || v->element_type() != et)
+      return ffi::Error::InvalidArgument("attention: k and v must both be float32 or bfloat16");
+    if (kd[0] != B || kd[3] != H || vd[0] != B || vd[1] != Kh || vd[2] != H || vd[3] != S ||
+        md[0] != B || md[1] != T || md[2] != S || Kh <= 0 || N % Kh != 0 || (A.Kh && Kh != A.Kh))
+      return ffi::Error::InvalidArgument("attention: block shapes do not match q");
+    A.Kh = Kh;
+    A.blocks.push_back({reinterpret_cast<const uint8_t*>(k->untyped_data()),
+                        reinterpret_cast<const uint8_t*>(v->untyped_data()), m->typed_data(), S,
+                        et == ffi::BF16});
+    A.S_total += S;
+    bytes += 2 * B * Kh * S * H * (et == ffi::BF16 ? 2 : 4);
+  }
+  A.G = N / A.Kh;
+  if (B * T * N * H == 0) return ffi::Error::Success();
+  Job J{};
+  J.ctx = &A;
+  J.items = B * A.Kh;
+  J.M = 1;
+  run_job(J, attn_range, 1, 2, 4, bytes);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_qmatmul, QMatmulImpl,
@@ -1207,10 +1811,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_dense_matmul, DenseMatmulImpl,
                                   .Attr<int64_t>("dtype")
                                   .Attr<int64_t>("impl"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_attention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .RemainingArgs()               // (k, v, mask) per block
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("impl"));
+
 extern "C" {
 
 // 1 if the AVX-512 path is used on this CPU.
 int jaxdec_qmm_has_simd() { return cpu_has_avx512() ? 1 : 0; }
+// 1 if bf16 and quantised W with M >= jaxdec_qmm_amx_min_m() rows use AMX tiles.
+int jaxdec_qmm_has_amx() { return cpu_has_amx() ? 1 : 0; }
+int jaxdec_qmm_amx_min_m() { return g_amx_min_m.load(); }
+void jaxdec_qmm_set_amx_min_m(int m) { g_amx_min_m.store(m); }
 
 // Threads the pool has (the caller included); creates nothing.
 int jaxdec_qmm_pool_threads() {
