@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec import decode, quant
+from jaxdec import decode, exec_cache, quant
 from jaxdec.cache import dense
 from jaxdec.checkpoint import orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
@@ -261,12 +261,13 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
     capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
     cache = dense.init_cache(model.cfg, len(rows), capacity, model.dtype)
     stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
-    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed),
-            jnp.full((len(rows),), max_new_tokens, jnp.int32))
+    # host arrays go in as they are: jnp.asarray would compile a copy program per shape
+    args = (model.params, cache, tokens, lens, jax.random.key(seed),
+            np.full((len(rows),), max_new_tokens, np.int32))
     static = dict(sampler=sampler, cfg=model.cfg, max_new_tokens=int(max_new_tokens),
                   stop_ids=stops)
     if stream is None:
-        progress, _ = decode.generate_tokens(*args, **static)
+        progress, _ = exec_cache.call(decode.generate_tokens, *args, **static)
     else:
         progress = _streamed(args, static, stream, stream_chunk)
     out, n_gen = np.asarray(progress.tokens), np.asarray(progress.n_generated)
@@ -286,7 +287,7 @@ def _streamed(args, static, stream, chunk: int):
     overhead, which chunks of 4 did not hide.
     """
     params, _, _, _, rng, limits = args
-    progress, cache = decode.start(*args, **static)
+    progress, cache = exec_cache.call(decode.start, *args, **static)
     static = {k: v for k, v in static.items() if k != "max_new_tokens"}
     done = target = _emit(progress, stream, 0)  # the first id, before the loop is compiled
     if _finished(progress, done):
@@ -295,7 +296,8 @@ def _streamed(args, static, stream, chunk: int):
     while True:
         target += chunk  # known on the host: no need to wait for the device to pick it
         chunk = min(2 * chunk, _MAX_CHUNK)
-        nxt, cache = decode.advance(params, cache, pending, rng, limits, target, **static)
+        nxt, cache = exec_cache.call(decode.advance, params, cache, pending, rng, limits, target,
+                                     **static)
         done = _emit(pending, stream, done)  # reads `pending` while `nxt` runs
         if _finished(pending, done):
             return pending
@@ -303,13 +305,13 @@ def _streamed(args, static, stream, chunk: int):
 
 
 def _finished(progress, done: int) -> bool:
-    return done >= progress.tokens.shape[1] or not bool(np.any(progress.active))
+    return done >= progress.tokens.shape[1] or not np.asarray(progress.active).any()
 
 
 def _emit(progress, stream, done: int) -> int:
     """Hand the ids of steps [done, progress.step) to `stream`; returns progress.step."""
     step = int(progress.step)  # waits for this chunk only
-    cols = np.asarray(progress.tokens[:, done:step])
+    cols = np.asarray(progress.tokens)[:, done:step]  # sliced on the host: no slice program
     for j in range(cols.shape[1]):
         stream(done + j, cols[:, j], cols[:, j] >= 0)
     return step

@@ -20,6 +20,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxdec.config import ModelConfig
 
@@ -54,9 +55,13 @@ class KVCache:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (batch, cfg.n_kv_heads, max_len + 1, cfg.head_dim)
     shape_v = (batch, cfg.n_kv_heads, cfg.head_dim, max_len + 1)
-    layer = lambda: KVLayer(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape_v, dtype))
+    # Host zeros copied to the device, one buffer at a time: jnp.zeros compiles a program
+    # per shape (~50 ms of a CLI start). may_alias=False: an aliased host buffer would be
+    # copied when the cache is first donated instead of being updated in place.
+    zeros = lambda s, dt: jax.device_put(np.zeros(s, dt), may_alias=False)
+    layer = lambda: KVLayer(k=zeros(shape, dtype), v=zeros(shape_v, dtype))
     return KVCache(layers=tuple(layer() for _ in range(cfg.n_layers)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+                   lengths=zeros((batch,), jnp.int32))
 
 
 def write(layer: KVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVLayer:

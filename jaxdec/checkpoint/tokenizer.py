@@ -15,16 +15,12 @@ carries its tokenizer and chat template.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -161,42 +157,6 @@ def _post_processor_adds_bos(backend: tokenizers.Tokenizer, bos_id: int | None) 
     return with_special[:1] == [bos_id] and backend.encode("a", add_special_tokens=False).ids[:1] != [bos_id]
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """HF's `{% generation %}...{% endgeneration %}` assistant-mask marker: renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """Like HF's `tojson`: plain `json.dumps`, no HTML escaping, non-ASCII kept."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """A chat template compiled the way HF does: sandboxed, trim_blocks, lstrip_blocks."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the checkpoint's special ids, BOS policy and chat template.
@@ -322,13 +282,10 @@ class Tokenizer:
                    "bos_token": self._token_str(self.bos_id) or "",
                    "eos_token": self._token_str(self.eos_id) or "",
                    "pad_token": self._token_str(self.pad_id) or ""}
-        try:
-            template = _compile_chat_template(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **context)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            raise JaxdecError(f"chat template failed: {first}") from None
+        from jaxdec.checkpoint import chat_template
+
+        return chat_template.render(self.chat_template, messages=messages,
+                                    add_generation_prompt=add_generation_prompt, **context)
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
