@@ -888,8 +888,10 @@ int pool_threads_locked() {
 // Signals, per parallel call: the caller waited for workers longer than half its own work time
 // (a straggler), or the caller itself ran on the CPU for under 80% of the call's wall time (it
 // was preempted: more runnable threads than cores, to which spinning workers contribute).
-// 4 such calls in a window of 16 switch to one thread for 100 ms (doubling, up to 5 s, while it
-// keeps happening), then parallel calls resume and are judged again.
+// 32 such calls in a window of 64 switch to one thread for 100 ms (doubling, up to 5 s, while it
+// keeps happening), then parallel calls resume and are judged again.  (4 in 16 also fired on
+// the short bursts of a streaming host thread reading each chunk: bf16 streamed decode ran at
+// 0.67 of the one-jit rate.)
 inline double thread_cpu_seconds() {
 #if defined(__linux__)
   timespec ts;
@@ -902,7 +904,7 @@ struct Adaptive {
   bool enabled = env_int("JAXDEC_CPU_ADAPTIVE", 1) != 0;
   int calls = 0, bad = 0;
   int backoff_ms = kMinBackoffMs;
-  static constexpr int kWindow = 16, kBadLimit = 4, kMinBackoffMs = 100, kMaxBackoffMs = 5000;
+  static constexpr int kWindow = 64, kBadLimit = 32, kMinBackoffMs = 100, kMaxBackoffMs = 5000;
   std::chrono::steady_clock::time_point serial_until{};
   int64_t total_parallel = 0, total_bad = 0, total_fallbacks = 0;
   bool SerialNow() const { return enabled && std::chrono::steady_clock::now() < serial_until; }
