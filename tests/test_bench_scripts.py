@@ -19,6 +19,15 @@ def test_device_bench_smoke(tmp_path):
     assert all(row["jaxdec"]["decode_tok_s"] > 0 for row in report["rows"])
 
 
+def test_bench_attention_smoke():
+    """scripts/bench_attention.py on tiny shapes prints the kernel and XLA side by side."""
+    r = subprocess.run([sys.executable, "scripts/bench_attention.py", "--batch", "2", "--layers", "2",
+                        "--capacity", "40", "--repeats", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "kernel / XLA speed-up" in r.stdout
+
+
 def test_bench_jaxdec_only(tmp_path):
     """`jaxdec bench` end to end for jaxdec alone (batch 1 and 2, 8 new tokens, no peers)."""
     out = tmp_path / "r.json"
