@@ -107,3 +107,25 @@ def test_dropless_equals_per_token_reference_even_when_one_expert_takes_all():
                 a = x[i] @ g[ex]
                 ref[i] += w[i, j] * ((a / (1 + np.exp(-a))) * (x[i] @ u[ex])) @ dn[ex]
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moefied_smollm2_mlp_with_all_experts_is_the_dense_mlp():
+    """SmolLM2's layer-5 MLP split into 8 experts (neurons in a random order): all experts at
+    weight 1 give the dense MLP's output; dropping experts changes it."""
+    from conftest import jax_model
+    from jaxdec import layers
+
+    lp = jax_model("smollm2").params.layers[5]
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((9, lp.w_gate.shape[0])).astype(np.float32))
+    order = rng.permutation(lp.w_gate.shape[1])
+    ex = moe.moefy(lp.w_gate, lp.w_up, lp.w_down, 8, order=order)
+    assert ex.w_gate.shape == (8, 576, 192) and ex.w_down.shape == (8, 192, 576)
+    dense = np.asarray(layers.gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down))
+    all_on = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (9, 8))
+    ours = np.asarray(moe.experts_dropless(x, all_on, jnp.ones((9, 8)), ex))
+    np.testing.assert_allclose(ours, dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())
+    half = np.asarray(moe.experts_dropless(x, all_on[:, :4], jnp.ones((9, 4)), ex))
+    assert np.abs(half - dense).max() > 1e-2 * np.abs(dense).max()
+    with pytest.raises(ValueError, match="do not split"):
+        moe.moefy(lp.w_gate, lp.w_up, lp.w_down, 7)

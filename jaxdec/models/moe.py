@@ -84,3 +84,19 @@ def shared_expert(x, w_gate, w_up, w_down, gate=None):
     if gate is not None:
         y = y * jax.nn.sigmoid(layers.linear(x, gate, dtype=jnp.float32)).astype(y.dtype)
     return y
+
+
+def moefy(w_gate, w_up, w_down, n_experts: int, order=None) -> Experts:
+    """MoEfication: split a dense SwiGLU MLP's F hidden neurons into `n_experts` experts of
+    F / n_experts neurons each, in `order` (a permutation of the neurons, e.g. grouped by
+    co-activation; default: as stored). Each neuron's gate, up and down weights move
+    together, so with every expert active at weight 1 the layer is the dense MLP, its F
+    products summed in n_experts groups. w_gate, w_up [D, F], w_down [F, D]."""
+    d, f = w_gate.shape
+    if n_experts <= 0 or f % n_experts:
+        raise ValueError(f"{f} MLP neurons do not split into {n_experts} experts")
+    perm = jnp.arange(f) if order is None else jnp.asarray(order)
+    per = f // n_experts
+    split_in = lambda w: jnp.moveaxis(w[:, perm].reshape(d, n_experts, per), 1, 0)  # [E, D, F/E]
+    return Experts(w_gate=split_in(w_gate), w_up=split_in(w_up),
+                   w_down=w_down[perm].reshape(n_experts, per, d))
