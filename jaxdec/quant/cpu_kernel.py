@@ -87,11 +87,11 @@ MAX_KERNEL_M = 256
 
 # The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured on the SmolLM2
 # shapes with the kernel and XLA in separate processes on a quiet machine: float32, the kernel
-# is ahead at M = 1 and 8 (up to 2.6x on the LM head at M = 8), level at M = 32 (batch-32
-# decode 302-309 tok/s either way) and behind on most shapes from M = 64 (XLA's GEMM, 2x at
-# M = 512).  Below 64 the kernel keeps them: XLA's first call of a loaded executable spends
-# ~0.25 s building its GEMM runtimes, which every prompt under 64 tokens then skips (warm CLI
-# time to first token 1.63 -> 1.36 s).  bfloat16 with bfloat16 activations:
+# is ahead at M = 1 and 8 (up to 2.6x on the LM head at M = 8), level at M = 32 and behind on
+# most shapes from M = 64 (XLA's GEMM, 2x at M = 512): `scripts/bench_qmatmul.py --m 1,8,32,64
+# --variants "f32 dot,kf32"`.  Below 64 the kernel keeps them: XLA's first call of a loaded
+# executable spends ~0.25 s building its GEMM runtimes, which every prompt under 64 tokens then
+# skips (`jaxdec bench` line "CLI TTFT s warm").  bfloat16 with bfloat16 activations:
 # XLA's dot runs on AMX/AVX512-BF16 (XNNPACK) and wins from M = 8 (1.2-2.6x at 8-32, 3x at 64);
 # bfloat16 weights with float32 activations: XLA widens the matrix to f32 on every call, so the
 # kernel keeps them (see `_dense_limit`).
