@@ -110,15 +110,15 @@ def causal_conv1d(x, w, bias, conv_state, lengths):
 
 
 def gated_rms_norm(y, z, w, eps: float, groups: int):
-    """Mamba2's gated RMSNorm: rmsnorm(y * silu(z)) over each of `groups` equal slices of the
-    last axis, times w. Computed in f32, returned in y.dtype."""
+    """Mamba2's gated RMSNorm: `layers.rms_norm` of y * silu(z) over each of `groups` equal
+    slices of the last axis. Computed in f32, returned in y.dtype."""
     d = y.shape[-1]
     if d % groups:
         raise ValueError(f"{d} channels do not split into {groups} norm groups")
-    g = (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).reshape(*y.shape[:-1], groups,
-                                                                            d // groups)
-    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
-    return (g.reshape(y.shape) * w.astype(jnp.float32)).astype(y.dtype)
+    g = (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32)))
+    g = g.reshape(*y.shape[:-1], groups, d // groups)
+    out = layers.rms_norm(g, w.astype(jnp.float32).reshape(groups, d // groups), eps)
+    return out.reshape(y.shape).astype(y.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
