@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxdec import decode, exec_cache, quant
 from jaxdec.cache import dense
-from jaxdec.checkpoint import orbax_io, params_cache, registry
+from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -70,7 +70,28 @@ WEIGHTS = ("f32", "bf16", "int8", "int4", "gguf")
 
 
 def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: str | None = None,
-         progress=None) -> Model:
+         active_experts: int | None = None, progress=None) -> Model:
+    """Load a model (see `_load`); `active_experts` runs a MoE model with that many experts
+    per token instead of the number it was trained with (`with_active_experts`)."""
+    model = _load(source, dtype=dtype, weights=weights, progress=progress)
+    return model if active_experts is None else with_active_experts(model, active_experts)
+
+
+def with_active_experts(model: Model, k: int) -> Model:
+    """The same weights routed to `k` experts per token (the inference-time knob for fewer,
+    or more, active experts than trained). Routers keep their rules: softmax routers without
+    `norm_topk_prob` weight the k experts by their full-softmax probabilities."""
+    moe = model.cfg.moe
+    if moe is None:
+        raise JaxdecError(f"{model.source or 'model'} has no experts: --active-experts applies "
+                          "to MoE models only")
+    if not isinstance(k, (int, np.integer)) or not 0 < k <= moe.n_experts:
+        raise JaxdecError(f"active experts must be 1..{moe.n_experts} (got {k})")
+    cfg = dataclasses.replace(model.cfg, moe=dataclasses.replace(moe, top_k=int(k)))
+    return dataclasses.replace(model, cfg=cfg)
+
+
+def _load(source, *, dtype, weights, progress) -> Model:
     """Load a named model, a .gguf file, a HF directory, or a `jaxdec convert` checkpoint.
 
     `weights` picks the format of the matmul weights: "f32" or "bf16" (then also the
@@ -126,7 +147,7 @@ def _read(path: pathlib.Path, name: str, dtype, weights: str | None, progress) -
 def _from_checkpoint(ckpt, name: str, dtype, weights: str | None) -> Model:
     keep = {n: b for n, b in ckpt.blocks.items()
             if weights == "gguf" or (weights and b.bits == convert.FORMATS[weights][0])}
-    params = transformer.params_from_hf(ckpt.config, ckpt.tensors, dtype, keep)
+    params = hf_layout.params_from_hf(ckpt.config, ckpt.tensors, dtype, keep)
     return Model(cfg=ckpt.config, params=params, tokenizer=ckpt.tokenizer, source=name,
                  tensor_types=dict(ckpt.tensor_types))
 

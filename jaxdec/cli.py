@@ -34,6 +34,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"],
                    help="weight format (default: --dtype); int8/int4 are group-wise "
                         "quantised, gguf keeps the file's own Q4/Q8 blocks")
+    p.add_argument("--active-experts", type=int, default=None,
+                   help="MoE models: experts per token (default: as trained)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import sys
 import time
 
@@ -52,7 +53,8 @@ class _Printer:
 
 def generate(args) -> int:
     sampler = _sampler(args)
-    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
+                        active_experts=args.active_experts)
     if args.no_stream:
         t0 = time.perf_counter()
         res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -72,7 +74,8 @@ def generate(args) -> int:
 
 def chat(args) -> int:
     sampler = _sampler(args)
-    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
+                        active_experts=args.active_experts)
     if not model.tokenizer.chat_template:
         raise JaxdecError(f"{args.model} has no chat template; use `jaxdec generate`")
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -126,6 +129,12 @@ def info(args) -> int:
           f"{cfg.head_dim}, ffn {cfg.d_ff}, vocab {cfg.vocab_size}")
     print(f"              rope theta {cfg.rope_theta:g}, scaling {cfg.rope_scaling}, context "
           f"{cfg.max_position}, tied embeddings {cfg.tie_embeddings}, qkv bias {cfg.qkv_bias}")
+    if cfg.layer_types:
+        runs = [(t, len(list(g))) for t, g in itertools.groupby(cfg.layer_types)]
+        print("layers        " + ", ".join(f"{t} x{n}" if n > 1 else t for t, n in runs))
+    for name in ("mla", "moe", "mamba"):
+        if getattr(cfg, name) is not None:
+            print(f"{name:<14}{getattr(cfg, name)}")
     n = pytree.param_count(model.params)
     print(f"parameters    {n:,} ({_human(_nbytes(model.params))} as {model.dtype})")
     stored = collections.Counter(model.tensor_types.values())
@@ -137,7 +146,8 @@ def info(args) -> int:
 def eval(args) -> int:  # noqa: A001 (the subcommand's name)
     from jaxdec import perplexity
 
-    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
+                        active_experts=args.active_experts)
     t0 = time.perf_counter()
     encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
     result = perplexity.evaluate(lambda toks: api.score(model, toks), encode, args.corpus,

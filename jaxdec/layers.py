@@ -54,13 +54,15 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """f32[H/2] inverse frequencies, with optional llama3 / linear scaling."""
+    """f32[H/2] inverse frequencies, with optional llama3 / linear / yarn scaling."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_scale(inv_freq, head_dim, theta, scaling)
     return _llama3_scale(inv_freq, scaling)
 
 
@@ -78,19 +80,41 @@ def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half (NEOX/HF) rotary embedding. x: [B, T, n, H]; positions: i32[B, T]."""
+def _yarn_scale(inv_freq: np.ndarray, dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """YaRN: a frequency index below the one turning `beta_fast` times over the original
+    context keeps its frequency, above the one turning `beta_slow` times is divided by
+    `factor`, with a linear ramp between."""
+
+    def index(rotations: float) -> float:  # the dimension turning `rotations` times
+        return dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index(s.beta_fast), index(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    keep = 1 - np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    interpolated = inv_freq / np.float32(s.factor)
+    return (interpolated * (1 - keep) + inv_freq * keep).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> jax.Array:
+    """Rotate-half (NEOX/HF) rotary embedding. x: [B, T, n, H]; positions: i32[B, T];
+    `factor` scales cos and sin (YaRN's attention factor)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    cos = (jnp.cos(angles) * factor)[:, :, None, :].astype(x.dtype)
+    sin = (jnp.sin(angles) * factor)[:, :, None, :].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up)). x: [B, T, D]."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)); without a gate (`w_gate` None) the squared
+    ReLU MLP down(relu(x @ up)^2) of Nemotron-H. x: [..., D]."""
     with jax.named_scope("mlp"):
-        h = jax.nn.silu(linear(x, w_gate)) * linear(x, w_up)
+        up = linear(x, w_up)
+        h = jax.nn.silu(linear(x, w_gate)) * up if w_gate is not None else jnp.square(jax.nn.relu(up))
         return linear(h, w_down)
 
 

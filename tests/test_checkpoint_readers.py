@@ -417,8 +417,10 @@ def test_error_hf_dir(tmp_path):
     _assert_one_line_error(read_hf_dir, d, match="unsupported architecture 'GPT2LMHeadModel'")
     (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
     _assert_one_line_error(read_hf_dir, d, match="attention_bias")
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "dynamic"}}))
+    _assert_one_line_error(read_hf_dir, d, match="unsupported RoPE scaling type 'dynamic'")
     (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn"}}))
-    _assert_one_line_error(read_hf_dir, d, match="unsupported RoPE scaling type 'yarn'")
+    _assert_one_line_error(read_hf_dir, d, match="config.json: missing field 'factor'")
     (d / "config.json").write_text(json.dumps(cfg))
 
     from safetensors.numpy import load_file, save_file

@@ -4,11 +4,14 @@ the gated RMSNorm."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdec.config import MambaConfig
 from jaxdec.models import mamba
 
 
@@ -136,8 +139,7 @@ def _hf_mixer(seed: int):
         in_proj=t(m.in_proj.weight.T), conv_w=t(m.conv1d.weight[:, 0, :].T), conv_b=t(m.conv1d.bias),
         dt_bias=t(m.dt_bias), A_log=t(m.A_log), D=t(m.D), norm=t(m.norm.weight),
         out_proj=t(m.out_proj.weight.T))
-    cfg = mamba.MixerConfig(d_model=32, n_heads=4, head_dim=16, n_groups=2, d_state=8, d_conv=4,
-                            chunk=8, eps=1e-5)
+    cfg = MambaConfig(n_heads=4, head_dim=16, n_groups=2, d_state=8, d_conv=4, chunk=8)
     return torch, m, params, cfg
 
 
@@ -149,7 +151,7 @@ def test_mixer_matches_hf_mamba2_mixer():
     with torch.no_grad():
         ref = m(torch.from_numpy(x)).numpy()
     conv, ssm = mamba.init_state(cfg, 2)
-    run = jax.jit(mamba.mixer, static_argnames="cfg")
+    run = jax.jit(partial(mamba.mixer, eps=1e-5), static_argnames="cfg")
     full, _, _ = run(params, x, conv, ssm, np.full(2, 13, np.int32), cfg=cfg)
     err = np.abs(np.asarray(full) - ref).max() / np.abs(ref).max()
     assert err < 1e-4, err
@@ -166,7 +168,7 @@ def test_mixer_ragged_rows():
     states as the row alone."""
     _, _, params, cfg = _hf_mixer(seed=7)
     x = np.random.default_rng(8).standard_normal((2, 13, 32)).astype(np.float32)
-    run = jax.jit(mamba.mixer, static_argnames="cfg")
+    run = jax.jit(partial(mamba.mixer, eps=1e-5), static_argnames="cfg")
     conv, ssm = mamba.init_state(cfg, 2)
     y, conv2, ssm2 = run(params, x, conv, ssm, np.array([13, 5], np.int32), cfg=cfg)
     c1, s1 = mamba.init_state(cfg, 1)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdec import layers
+from jaxdec.config import MLAConfig, ModelConfig, RopeScaling
 from jaxdec.models import mla
 
 torch = pytest.importorskip("torch")
@@ -41,15 +43,21 @@ def _hf(q_lora_rank, rope, interleave, seed):
         q_b=t(attn.q_b_proj).reshape(q_lora_rank, n, qk) if q_lora_rank else None,
         kv_a=t(attn.kv_a_proj_with_mqa), kv_a_norm=jnp.asarray(attn.kv_a_layernorm.weight.detach().numpy()),
         kv_b=t(attn.kv_b_proj).reshape(16, n, 20), o=t(attn.o_proj).reshape(n, 12, 64))
-    yarn = None
-    if rope["rope_type"] == "yarn":
-        yarn = mla.Yarn(factor=rope["factor"], original_max_position=rope["original_max_position_embeddings"],
-                        beta_fast=rope["beta_fast"], beta_slow=rope["beta_slow"], mscale=rope["mscale"],
-                        mscale_all_dim=rope["mscale_all_dim"])
-    cfg = mla.MLAConfig(d_model=64, n_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                        v_head_dim=12, q_lora_rank=q_lora_rank, eps=1e-6, rope_theta=rope["rope_theta"],
-                        rope_interleave=interleave, yarn=yarn)
+    cfg = ModelConfig(vocab_size=10, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16,
+                      d_ff=8, norm_eps=1e-6, rope_theta=rope["rope_theta"], rope_scaling=_yarn(rope),
+                      layer_types=("mla",),
+                      mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                    q_lora_rank=q_lora_rank, rope_interleave=interleave))
     return attn, rotary, params, cfg
+
+
+def _yarn(rope):
+    if rope["rope_type"] != "yarn":
+        return None
+    return RopeScaling(kind="yarn", factor=rope["factor"],
+                       original_max_position=rope["original_max_position_embeddings"],
+                       beta_fast=rope["beta_fast"], beta_slow=rope["beta_slow"], mscale=rope["mscale"],
+                       mscale_all_dim=rope["mscale_all_dim"])
 
 
 def _hf_forward(attn, rotary, x, start: int):
@@ -93,10 +101,8 @@ def test_yarn_frequencies_match_hf():
         hf_cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16,
                                   max_position_embeddings=4096, rope_parameters=dict(rope))
         inv_hf, attn_hf = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
-        y = mla.Yarn(factor=rope["factor"], original_max_position=rope["original_max_position_embeddings"],
-                     beta_fast=rope["beta_fast"], beta_slow=rope["beta_slow"], mscale=rope["mscale"],
-                     mscale_all_dim=rope["mscale_all_dim"])
-        inv, attn_factor = mla.yarn_inv_freq(16, rope["rope_theta"], y)
+        y = _yarn(rope)
+        inv, attn_factor = layers.rope_inv_freq(16, rope["rope_theta"], y), y.attention_factor
         np.testing.assert_allclose(inv, inv_hf.numpy(), rtol=1e-6)
         assert attn_factor == pytest.approx(attn_hf, rel=1e-6)
 

@@ -88,25 +88,53 @@ def test_grouped_routing_stays_in_the_best_groups():
         assert set(np.asarray(idx[n]) // 4) <= set(best[n])
 
 
-def test_dropless_equals_per_token_reference_even_when_one_expert_takes_all():
-    """float64 per-token reference; with every token routed to expert 0 (a skewed load a
-    capacity-limited dispatch would drop) nothing is lost."""
+@pytest.mark.parametrize("gated", [True, False])
+def test_every_dispatch_equals_per_token_reference_even_when_one_expert_takes_all(gated):
+    """float64 per-token reference for the three dispatches (grouped matmuls, gathered experts
+    read in place by the CPU kernel, every expert on every token); SwiGLU and squared-ReLU
+    experts. With every token routed to expert 0 (a skewed load a capacity-limited dispatch
+    would drop) nothing is lost."""
     rng = np.random.default_rng(6)
     n, d, f, e, k = 12, 8, 6, 5, 2
     x = rng.standard_normal((n, d)).astype(np.float32)
-    p = moe.Experts(*(jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.4)
-                      for s in ((e, d, f), (e, d, f), (e, f, d))))
+    g, u, dn = (rng.standard_normal(s).astype(np.float32) * 0.4 for s in ((e, d, f), (e, d, f), (e, f, d)))
+    p = moe.Experts(w_gate=jnp.asarray(g) if gated else None, w_up=jnp.asarray(u), w_down=jnp.asarray(dn))
+    g, u, dn = (np.asarray(a, np.float64) for a in (g, u, dn))
     for idx in (rng.integers(0, e, (n, k)), np.stack([np.zeros(n, int), rng.integers(1, e, n)], 1)):
         w = rng.random((n, k)).astype(np.float32)
-        ours = np.asarray(jax.jit(moe.experts_dropless)(x, jnp.asarray(idx, jnp.int32), w, p))
         ref = np.zeros((n, d))
-        g, u, dn = (np.asarray(a, np.float64) for a in (p.w_gate, p.w_up, p.w_down))
         for i in range(n):
             for j in range(k):
                 ex = idx[i, j]
-                a = x[i] @ g[ex]
-                ref[i] += w[i, j] * ((a / (1 + np.exp(-a))) * (x[i] @ u[ex])) @ dn[ex]
+                up = x[i] @ u[ex]
+                if gated:
+                    a = x[i] @ g[ex]
+                    h = (a / (1 + np.exp(-a))) * up
+                else:
+                    h = np.maximum(up, 0) ** 2
+                ref[i] += w[i, j] * h @ dn[ex]
+        for fn in (moe.experts_dropless, moe.experts_gathered, moe.experts_every):
+            ours = np.asarray(jax.jit(fn)(x, jnp.asarray(idx, jnp.int32), w, p))
+            np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
+
+
+def test_expert_matmul_kernel_reads_the_chosen_experts():
+    """cpu_kernel.expert_matmul (the C++ kernel on this CPU) against float64, f32 and bf16
+    weights, several rows per slot; an index out of range fails instead of reading past w."""
+    from jaxdec.quant import cpu_kernel
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((7, 3, 40)).astype(np.float32)
+    idx = rng.integers(0, 5, 7).astype(np.int32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.asarray(rng.standard_normal((5, 40, 24)).astype(np.float32), dtype)
+        w64 = np.asarray(w.astype(jnp.float32), np.float64)
+        ref = np.einsum("smk,skn->smn", x.astype(np.float64), w64[idx])
+        ours = np.asarray(jax.jit(cpu_kernel.expert_matmul)(x, w, idx))
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    if cpu_kernel.available():
+        with pytest.raises(Exception, match="expert index out of range"):
+            np.asarray(jax.jit(cpu_kernel.expert_matmul)(x, w, np.full(7, 5, np.int32)))
 
 
 def test_moefied_smollm2_mlp_with_all_experts_is_the_dense_mlp():
@@ -115,7 +143,7 @@ def test_moefied_smollm2_mlp_with_all_experts_is_the_dense_mlp():
     from conftest import jax_model
     from jaxdec import layers
 
-    lp = jax_model("smollm2").params.layers[5]
+    lp = jax_model("smollm2").params.layers[5].ffn
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((9, lp.w_gate.shape[0])).astype(np.float32))
     order = rng.permutation(lp.w_gate.shape[1])

@@ -24,9 +24,9 @@ def test_init_and_abstract_agree_with_declaration():
     for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract)):
         assert p.shape == a.shape and p.dtype == a.dtype == jnp.bfloat16
     assert params.embed is None and params.lm_head.shape == (32, 128)  # tied: one table
-    np.testing.assert_array_equal(params.layers[0].attn_norm, 1)
-    np.testing.assert_array_equal(params.layers[1].bq, 0)
-    assert 0.015 < float(jnp.std(params.layers[0].wq.astype(jnp.float32))) < 0.025
+    np.testing.assert_array_equal(params.layers[0].mixer_norm, 1)
+    np.testing.assert_array_equal(params.layers[1].mixer.bq, 0)
+    assert 0.015 < float(jnp.std(params.layers[0].mixer.wq.astype(jnp.float32))) < 0.025
     expected = 2 * (32 * 32 * 2 + 32 * 16 * 2 + 32 + 16 * 2 + 3 * 32 * 48 + 64) + 32 * 128 + 32
     assert pytree.param_count(params) == expected
 
@@ -35,8 +35,8 @@ def test_partition_specs_follow_logical_axes():
     rules = pytree.LogicalRules((("q_heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
                                  ("vocab", "model")))
     specs = pytree.partition_specs(transformer.declare(CFG), rules)
-    assert specs.layers[0].wq == P(None, "model", None)
-    assert specs.layers[0].w_down == P("model", None)
+    assert specs.layers[0].mixer.wq == P(None, "model", None)
+    assert specs.layers[0].ffn.w_down == P("model", None)
     assert specs.lm_head == P(None, "model")
     assert specs.final_norm == P(None)
 

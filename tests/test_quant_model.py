@@ -43,7 +43,8 @@ def test_quantised_forward_equals_dequantised_forward(tiny, weights):
     rows on, CPUs with AMX round activations and weights to bf16 (checked to bf16 accuracy)."""
     cfg, params = tiny
     qp = quantize_params(params, transformer.declare(cfg), weights)
-    assert all(is_q(getattr(qp.layers[0], n)) for n in ("wq", "wk", "wv", "wo", "w_down"))
+    assert all(is_q(getattr(qp.layers[0].mixer, n)) for n in ("wq", "wk", "wv", "wo"))
+    assert is_q(qp.layers[0].ffn.w_down)
     assert is_q(qp.lm_head) and not is_q(qp.final_norm)
     ref_params = dequantized(qp)
     tokens = jnp.asarray(np.random.default_rng().integers(0, VOCAB, (2, 12)))
@@ -90,9 +91,9 @@ def test_gguf_blocks_are_the_files_values(smollm2_gguf):
     dequantised, they equal the f32 load (gguf.quants' dequantisation) exactly."""
     f32 = jax_model("smollm2")
     q = smollm2_gguf.params
-    assert q.layers[0].wq.bits == 4 and q.lm_head.bits == 8 and smollm2_gguf.weights == "mixed int4/int8"
-    for ours, ref in [(q.layers[0].wq, f32.params.layers[0].wq), (q.layers[7].wo, f32.params.layers[7].wo),
-                      (q.layers[29].w_down, f32.params.layers[29].w_down), (q.lm_head, f32.params.lm_head)]:
+    assert q.layers[0].mixer.wq.bits == 4 and q.lm_head.bits == 8 and smollm2_gguf.weights == "mixed int4/int8"
+    for ours, ref in [(q.layers[0].mixer.wq, f32.params.layers[0].mixer.wq), (q.layers[7].mixer.wo, f32.params.layers[7].mixer.wo),
+                      (q.layers[29].ffn.w_down, f32.params.layers[29].ffn.w_down), (q.lm_head, f32.params.lm_head)]:
         np.testing.assert_array_equal(np.asarray(dequantize(ours)), np.asarray(ref))
 
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from jaxdec.config import ModelConfig, RopeScaling
-from jaxdec.models import transformer
+from jaxdec.checkpoint import hf_layout
 
 VOCAB, D, LAYERS, HEADS, KV_HEADS, FFN = 300, 64, 3, 4, 2, 96
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -43,7 +43,7 @@ def build(arch: str, seed: int = 0):
         rope_scaling=RopeScaling(factor=8.0, original_max_position=64) if arch == "llama" else None,
     )
     tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    return model, cfg, transformer.params_from_hf(cfg, tensors)
+    return model, cfg, hf_layout.params_from_hf(cfg, tensors)
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:

@@ -79,13 +79,13 @@ def step_bytes(model, batch: int, context: int) -> float:
     quantised model's codes and scales), and each row's K and V at `context` tokens."""
     import jax
 
+    from jaxdec.cache import dense
+
     p = model.params
-    matrices = [p.lm_head] + [(layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up,
-                               layer.w_down) for layer in p.layers]
+    matrices = [p.lm_head] + [(layer.mixer, layer.ffn) for layer in p.layers]
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(matrices))
-    cfg = model.cfg
-    kv = batch * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * context * 4
-    return float(weights + kv)
+    grow, fixed = dense.bytes_per_token(model.cfg, p.final_norm.dtype)  # the cache dtype
+    return float(weights + batch * (grow * context + fixed))
 
 
 def _cli_ttft(s: Settings, weights: str, cache_dir: str, prompt: str) -> float:

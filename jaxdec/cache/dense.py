@@ -1,6 +1,11 @@
-"""The dense KV cache: fixed capacity, per-row lengths.
+"""The decode cache: one entry per layer, chosen by the layer's mixer, and per-row lengths.
 
-Invariants:
+- attention: `KVLayer`, keys and values per kv head per slot;
+- mla: `LatentLayer`, one latent and one RoPE key per slot (shared by every head);
+- mamba: `StateLayer`, the conv window and the SSM state: the same size at any length;
+- a layer without a mixer (a lone MLP or MoE) has no entry (None).
+
+Invariants of the slotted entries (KV and latent):
 - `lengths[b]` is the number of valid tokens in row b; slots `[0, lengths[b])` hold them,
   in position order (slot index == token position).
 - Slots at or past `lengths[b]` hold stale values; attention masks them by position, and
@@ -33,10 +38,32 @@ class KVLayer:
     # (with V stored [.., S, H] it transposed every layer's V on every decode step)
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["c", "k_rope"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LatentLayer:
+    c: jax.Array  # [B, S + 1, kv_lora_rank]: the normed latent of each token
+    k_rope: jax.Array  # [B, S + 1, qk_rope_head_dim]: its rotated key, shared by all heads
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["conv", "ssm"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class StateLayer:
+    conv: jax.Array  # [B, d_conv - 1, conv_dim]: the last inputs of the causal conv
+    ssm: jax.Array  # f32[B, n_heads, head_dim, d_state]
+
+
+def _slots(entry) -> int | None:
+    if isinstance(entry, KVLayer):
+        return entry.k.shape[2]
+    if isinstance(entry, LatentLayer):
+        return entry.c.shape[1]
+    return None
+
+
 @partial(jax.tree_util.register_dataclass, data_fields=["layers", "lengths"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    layers: tuple[KVLayer, ...]
+    layers: tuple[KVLayer | LatentLayer | StateLayer | None, ...]
     lengths: jax.Array  # i32[B]
 
     @property
@@ -45,36 +72,80 @@ class KVCache:
 
     @property
     def n_slots(self) -> int:
-        return self.layers[0].k.shape[2]
+        """Slots per row of the slotted entries (1, the scratch slot only, when a model has
+        none: a pure Mamba model's cache has no capacity to run out of)."""
+        return next((n for n in map(_slots, self.layers) if n is not None), 1)
 
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
 
 
+def entry_shapes(cfg: ModelConfig, mixer: str | None, batch: int, max_len: int, dtype):
+    """The cache entry of one layer whose mixer is `mixer`, as (class, {field: (shape, dtype)})."""
+    s = max_len + 1
+    if mixer == "attention":
+        k, h = cfg.n_kv_heads, cfg.head_dim
+        return KVLayer, {"k": ((batch, k, s, h), dtype), "v": ((batch, k, h, s), dtype)}
+    if mixer == "mla":
+        m = cfg.mla
+        return LatentLayer, {"c": ((batch, s, m.kv_lora_rank), dtype),
+                             "k_rope": ((batch, s, m.qk_rope_head_dim), dtype)}
+    if mixer == "mamba":
+        m = cfg.mamba
+        return StateLayer, {"conv": ((batch, m.d_conv - 1, m.conv_dim), dtype),
+                            "ssm": ((batch, m.n_heads, m.head_dim, m.d_state), jnp.float32)}
+    return None, {}
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, cfg.n_kv_heads, max_len + 1, cfg.head_dim)
-    shape_v = (batch, cfg.n_kv_heads, cfg.head_dim, max_len + 1)
+    """An empty cache for `batch` rows of up to `max_len` tokens, one entry per layer."""
     # Host zeros copied to the device, one buffer at a time: jnp.zeros compiles a program
     # per shape (~50 ms of a CLI start). may_alias=False: an aliased host buffer would be
     # copied when the cache is first donated instead of being updated in place.
     zeros = lambda s, dt: jax.device_put(np.zeros(s, dt), may_alias=False)
-    layer = lambda: KVLayer(k=zeros(shape, dtype), v=zeros(shape_v, dtype))
-    return KVCache(layers=tuple(layer() for _ in range(cfg.n_layers)),
+
+    def entry(mixer):
+        cls, fields = entry_shapes(cfg, mixer, batch, max_len, dtype)
+        return None if cls is None else cls(**{f: zeros(*sd) for f, sd in fields.items()})
+
+    return KVCache(layers=tuple(entry(mixer) for mixer, _ in cfg.kinds),
                    lengths=zeros((batch,), jnp.int32))
+
+
+def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> tuple[int, int]:
+    """(bytes that grow with each token, fixed bytes) of one row's cache over all layers."""
+    grow = fixed = 0
+    for mixer, _ in cfg.kinds:
+        _, one = entry_shapes(cfg, mixer, 1, 1, dtype)
+        _, two = entry_shapes(cfg, mixer, 1, 2, dtype)
+        size = lambda f: sum(int(np.prod(s)) * jnp.dtype(dt).itemsize for s, dt in f.values())
+        grow += size(two) - size(one)
+        fixed += 3 * size(one) - 2 * size(two)  # size(L) = fixed + grow * (L + 1 scratch)
+    return grow, fixed
+
+
+def _slot_index(positions: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(rows, slots) i32[B, T] to scatter a chunk into; padding and overflow go to scratch."""
+    slots = jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
+    return jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape), slots
 
 
 def write(layer: KVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVLayer:
     """Scatter new keys/values ([B, T, K, H]) into their slots; padding goes to scratch."""
-    b, _ = positions.shape
-    capacity = layer.k.shape[2] - 1
-    slots = jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
+    rows, slots = _slot_index(positions, layer.k.shape[2] - 1)
     put_k = lambda buf, new: buf.at[rows, :, slots, :].set(new.astype(buf.dtype),
                                                            mode="promise_in_bounds")
     put_v = lambda buf, new: buf.at[rows, :, :, slots].set(new.astype(buf.dtype),
                                                            mode="promise_in_bounds")
     return KVLayer(k=put_k(layer.k, k), v=put_v(layer.v, v))
+
+
+def write_latent(layer: LatentLayer, c: jax.Array, k_rope: jax.Array, positions) -> LatentLayer:
+    """Scatter new latents [B, T, R] and RoPE keys [B, T, r] into their slots."""
+    rows, slots = _slot_index(positions, layer.c.shape[1] - 1)
+    put = lambda buf, new: buf.at[rows, slots].set(new.astype(buf.dtype), mode="promise_in_bounds")
+    return LatentLayer(c=put(layer.c, c), k_rope=put(layer.k_rope, k_rope))
 
 
 def advance(lengths: jax.Array, positions: jax.Array) -> jax.Array:
@@ -90,3 +161,9 @@ def before(lengths: jax.Array, positions: jax.Array, n_slots: int) -> jax.Array:
     end = jnp.minimum(lengths, first)
     slots = jnp.arange(n_slots)[None, None, :]
     return (slots < end[:, None, None]) & (positions[:, :, None] >= 0)
+
+
+def chunk_mask(positions: jax.Array) -> jax.Array:
+    """bool[B, T, T]: causal by position, padding (position < 0) sees and is seen by nothing."""
+    q, k = positions[:, :, None], positions[:, None, :]
+    return (k <= q) & (k >= 0) & (q >= 0)

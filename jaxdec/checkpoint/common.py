@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxdec.checkpoint.hf_layout import hf_tensor_shapes
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
@@ -38,33 +39,6 @@ class Checkpoint:
     tokenizer: Tokenizer
     tensor_types: dict[str, str]
     blocks: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face name and shape of every tensor a Llama/Qwen2 model of `cfg` has."""
-    d, h, f = cfg.d_model, cfg.head_dim, cfg.d_ff
-    q, kv = cfg.n_heads * h, cfg.n_kv_heads * h
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (q, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, q),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-        if cfg.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-    shapes["model.norm.weight"] = (d,)
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    return shapes
 
 
 def missing_tensors_error(source: str, missing: list[str]) -> JaxdecError:

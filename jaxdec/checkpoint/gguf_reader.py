@@ -23,7 +23,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxdec.checkpoint.common import Checkpoint, hf_tensor_shapes, missing_tensors_error, validate
+from jaxdec.checkpoint.common import Checkpoint, missing_tensors_error, validate
+from jaxdec.checkpoint.hf_layout import hf_tensor_shapes
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.config import ModelConfig, RopeScaling
 from jaxdec.errors import JaxdecError

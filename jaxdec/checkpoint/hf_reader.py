@@ -1,6 +1,7 @@
 """Read a Hugging Face model directory (config.json + safetensors + tokenizer) into a `Checkpoint`.
 
-Supported: `LlamaForCausalLM` and `Qwen2ForCausalLM`, single-file or sharded
+Supported (`SUPPORTED`): the Llama family (Llama, Qwen2, Qwen3), MoE (Mixtral, Qwen2-MoE,
+Qwen3-MoE), MLA + MoE (DeepSeek-V3), Mamba2 and the Nemotron-H hybrids, single-file or sharded
 (`model.safetensors.index.json`) safetensors in float32, float16 or bfloat16. Tensors are
 read with safetensors' numpy API (bfloat16 through `ml_dtypes`) and widened to float32,
 which is exact for all three. Both transformers v4 (`rope_theta` + `rope_scaling`) and v5
@@ -10,21 +11,31 @@ which is exact for all three. Both transformers v4 (`rope_theta` + `rope_scaling
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import re
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16' dtype, which safetensors asks for)
 import numpy as np
 import safetensors
 
-from jaxdec.checkpoint.common import Checkpoint, hf_tensor_shapes, missing_tensors_error, validate
+from jaxdec.checkpoint.common import Checkpoint, missing_tensors_error, validate
+from jaxdec.checkpoint.hf_layout import hf_tensor_shapes
 from jaxdec.checkpoint.tokenizer import Tokenizer
-from jaxdec.config import ModelConfig, RopeScaling
+from jaxdec.config import MambaConfig, MLAConfig, ModelConfig, MoEConfig, RopeScaling
 from jaxdec.errors import JaxdecError
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+             "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
+             "Mamba2ForCausalLM": "mamba2", "NemotronHForCausalLM": "nemotron_h"}
 # Buffers some checkpoints carry that are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Nemotron-H's hybrid_override_pattern letters, and its v5 layers_block_type names.
+_NEMOTRON_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
+                   "attention": "attention", "mlp": "mlp", "moe": "moe"}
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -66,19 +77,136 @@ def _rope(config: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScalin
                                   low_freq_factor=float(params["low_freq_factor"]),
                                   high_freq_factor=float(params["high_freq_factor"]),
                                   original_max_position=original)
-    raise JaxdecError(f"{path}: unsupported RoPE scaling type {kind!r} (supported: llama3, linear)")
+    if kind == "yarn":
+        if params.get("attention_factor") is not None:
+            raise JaxdecError(f"{path}: YaRN with an explicit attention_factor is unsupported")
+        return theta, RopeScaling(kind="yarn", factor=float(params["factor"]),
+                                  original_max_position=original,
+                                  beta_fast=float(params.get("beta_fast") or 32.0),
+                                  beta_slow=float(params.get("beta_slow") or 1.0),
+                                  mscale=float(params.get("mscale") or 0.0),
+                                  mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                                  truncate=bool(params.get("truncate", True)))
+    raise JaxdecError(f"{path}: unsupported RoPE scaling type {kind!r} (supported: llama3, linear, yarn)")
+
+
+def _refuse(path: pathlib.Path, config: dict[str, Any], checks: dict[str, Any]) -> None:
+    """One-line error for the first config field that asks for something jaxdec lacks:
+    checks maps field -> the one value (or tuple of values) jaxdec supports."""
+    for field, ok in checks.items():
+        value = config.get(field)
+        if value is None:
+            continue
+        if value not in (ok if isinstance(ok, tuple) else (ok,)):
+            raise JaxdecError(f"{path}: unsupported {field}={value!r} (supported: {ok!r})")
 
 
 def _check_supported(config: dict[str, Any], arch: str, path: pathlib.Path) -> None:
-    if config.get("hidden_act", "silu") != "silu":
-        raise JaxdecError(f"{path}: unsupported activation {config['hidden_act']!r} (silu only)")
-    if config.get("mlp_bias"):
-        raise JaxdecError(f"{path}: MLP biases are unsupported")
-    if arch == "llama" and config.get("attention_bias"):
-        # HF Llama's attention_bias also biases o_proj, which ModelConfig cannot express
-        raise JaxdecError(f"{path}: Llama attention_bias (q/k/v/o biases) is unsupported")
-    if arch == "qwen2" and config.get("use_sliding_window"):
-        raise JaxdecError(f"{path}: sliding-window attention is unsupported")
+    checks = {"hidden_act": "silu", "mlp_bias": (False,), "use_sliding_window": (False,),
+              "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2", "use_bias": (False,),
+              "mamba_proj_bias": (False,), "use_conv_bias": (True,), "moe_latent_size": (None,)}
+    if arch in ("mixtral", "nemotron_h"):  # these apply a sliding window whenever it is set
+        checks["sliding_window"] = (None,)
+    _refuse(path, config, checks)
+    if arch == "qwen2":  # Qwen2 always biases q, k and v
+        return
+    if config.get("attention_bias") and arch != "qwen2_moe":
+        # HF's attention_bias also biases o_proj, which ModelConfig cannot express
+        raise JaxdecError(f"{path}: attention_bias (q/k/v/o biases) is unsupported")
+
+
+def _float(value) -> float:
+    """A float from config.json, including transformers' {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
+def _moe_layers(config: dict[str, Any], n_layers: int, mixer: str) -> tuple[str, ...]:
+    """Qwen-MoE: layer i is MoE unless listed in mlp_only_layers or off decoder_sparse_step."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    return tuple(f"{mixer}+mlp" if i in dense or (i + 1) % step else f"{mixer}+moe"
+                 for i in range(n_layers))
+
+
+def _family_fields(config: dict[str, Any], arch: str, d: int, n_layers: int,
+                   path: pathlib.Path) -> dict[str, Any]:
+    """The ModelConfig fields that set the family apart from a plain Llama."""
+    g = config.get
+    n_experts = g("num_experts") or g("num_local_experts") or g("n_routed_experts")
+    if arch == "llama":
+        return {}
+    if arch == "qwen2":
+        return dict(qkv_bias=True)
+    if arch == "qwen3":
+        return dict(qk_norm=True)
+    if arch == "mixtral":
+        moe = MoEConfig(n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
+                        d_expert=int(g("intermediate_size")), router="softmax", normalize=True)
+        return dict(moe=moe, layer_types=("attention+moe",) * n_layers)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        shared = int(g("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+        moe = MoEConfig(n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
+                        d_expert=int(g("moe_intermediate_size")), router="softmax",
+                        normalize=bool(g("norm_topk_prob", False)), d_shared=shared,
+                        shared_gate=shared > 0)
+        return dict(moe=moe, layer_types=_moe_layers(config, n_layers, "attention"),
+                    qkv_bias=arch == "qwen2_moe", qk_norm=arch == "qwen3_moe")
+    if arch == "deepseek_v3":
+        q_lora = g("q_lora_rank")
+        mla = MLAConfig(kv_lora_rank=int(g("kv_lora_rank")), qk_nope_head_dim=int(g("qk_nope_head_dim")),
+                        qk_rope_head_dim=int(g("qk_rope_head_dim")), v_head_dim=int(g("v_head_dim")),
+                        q_lora_rank=int(q_lora) if q_lora else None,
+                        rope_interleave=bool(g("rope_interleave", True)))
+        moe = MoEConfig(n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
+                        d_expert=int(g("moe_intermediate_size")), router="sigmoid",
+                        normalize=bool(g("norm_topk_prob", True)),
+                        scale=float(g("routed_scaling_factor", 1.0)), n_group=int(g("n_group") or 1),
+                        topk_group=int(g("topk_group") or 1), router_bias=True,
+                        d_shared=int(g("moe_intermediate_size")) * int(g("n_shared_experts") or 0))
+        first_dense = int(g("first_k_dense_replace") or 0)
+        types = tuple("mla+mlp" if i < first_dense else "mla+moe" for i in range(n_layers))
+        return dict(mla=mla, moe=moe, layer_types=types, head_dim=mla.qk_head_dim,
+                    n_kv_heads=int(g("num_attention_heads")))
+    # Mamba2 and Nemotron-H
+    prefix = "mamba_" if arch == "nemotron_h" else ""
+    limit = g("time_step_limit") or (0.0, math.inf)
+    mamba = MambaConfig(n_heads=int(g(prefix + "num_heads")), head_dim=int(g(prefix + "head_dim")),
+                        n_groups=int(g("n_groups") or 1),
+                        d_state=int(g("ssm_state_size" if arch == "nemotron_h" else "state_size")),
+                        d_conv=int(g("conv_kernel") or 4), chunk=int(g("chunk_size") or 256),
+                        dt_min=_float(limit[0]), dt_max=_float(limit[1]))
+    inner = int(g("expand") or 2) * d
+    if arch == "mamba2":
+        if mamba.d_inner != inner:
+            raise JaxdecError(f"{path}: num_heads * head_dim = {mamba.d_inner} differs from "
+                              f"expand * hidden_size = {inner}")
+        # no attention or MLP layers: the head and ffn fields are unused placeholders
+        return dict(mamba=mamba, layer_types=("mamba",) * n_layers, n_heads=1, n_kv_heads=1,
+                    head_dim=1, d_ff=1, norm_eps=_float(g("layer_norm_epsilon", 1e-5)))
+    pattern = g("hybrid_override_pattern")
+    if pattern:
+        unknown = set(pattern) - set(_NEMOTRON_LETTERS)
+        if unknown:
+            raise JaxdecError(f"{path}: hybrid_override_pattern has unknown layer letters {sorted(unknown)}")
+        types = tuple(_NEMOTRON_LETTERS[c] for c in pattern)
+    else:
+        names = g("layers_block_type") or []
+        unknown = [t for t in names if t not in _NEMOTRON_TYPES]
+        if unknown:
+            raise JaxdecError(f"{path}: unknown layers_block_type {unknown[0]!r}")
+        types = tuple(_NEMOTRON_TYPES[t] for t in names)
+    fields = dict(mamba=mamba, layer_types=types, attention_rope=False, mlp_act="relu2",
+                  norm_eps=_float(g("layer_norm_epsilon", 1e-5)))
+    if "moe" in types:
+        fields["moe"] = MoEConfig(
+            n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
+            d_expert=int(g("moe_intermediate_size")), router="sigmoid",
+            normalize=bool(g("norm_topk_prob", True)), scale=float(g("routed_scaling_factor", 1.0)),
+            n_group=int(g("n_group") or 1), topk_group=int(g("topk_group") or 1), router_bias=True,
+            d_shared=int(g("moe_shared_expert_intermediate_size") or 0))
+    return fields
 
 
 def _eos_ids(config: dict[str, Any], tok: Tokenizer) -> tuple[int, ...]:
@@ -88,24 +216,31 @@ def _eos_ids(config: dict[str, Any], tok: Tokenizer) -> tuple[int, ...]:
 
 
 def config_from_hf(config: dict[str, Any], tok: Tokenizer, path: pathlib.Path) -> ModelConfig:
-    """ModelConfig from a parsed config.json (Llama or Qwen2)."""
+    """ModelConfig from a parsed config.json (any of `SUPPORTED`)."""
     arch = _arch(config, path)
     _check_supported(config, arch, path)
-    theta, scaling = _rope(config, path)
     try:
-        d, n = int(config["hidden_size"]), int(config["num_attention_heads"])
+        theta, scaling = _rope(config, path)
+        d = int(config["hidden_size"])
+        # Nemotron-H's saved config counts its layers only in the layer pattern
+        pattern = config.get("hybrid_override_pattern") or config.get("layers_block_type")
+        n_layers = int(config["num_hidden_layers"] if pattern is None else len(pattern))
+        if config.get("num_hidden_layers") not in (None, n_layers):
+            raise JaxdecError(f"{path / 'config.json'}: num_hidden_layers="
+                              f"{config['num_hidden_layers']} but the layer pattern has {n_layers} layers")
+        n = int(config.get("num_attention_heads") or 1)
         bos = config.get("bos_token_id")
-        return ModelConfig(
-            arch=arch, vocab_size=int(config["vocab_size"]), d_model=d,
-            n_layers=int(config["num_hidden_layers"]), n_heads=n,
+        fields = dict(
+            arch=arch, vocab_size=int(config["vocab_size"]), d_model=d, n_layers=n_layers, n_heads=n,
             n_kv_heads=int(config.get("num_key_value_heads") or n),
             head_dim=int(config.get("head_dim") or d // n),
-            d_ff=int(config["intermediate_size"]),
+            d_ff=int(config.get("intermediate_size") or 1),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
             rope_scaling=scaling, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2",
-            max_position=int(config.get("max_position_embeddings", 4096)),
+            max_position=int(config.get("max_position_embeddings") or 1 << 20),
             eos_ids=_eos_ids(config, tok), bos_id=int(bos) if bos is not None else tok.bos_id)
+        fields |= _family_fields(config, arch, d, n_layers, path)
+        return ModelConfig(**fields)
     except KeyError as e:
         raise JaxdecError(f"{path / 'config.json'}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -127,14 +262,23 @@ def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _read_shard(file: pathlib.Path, wanted: dict[str, tuple[int, ...]]
+def _skipped(name: str, wanted: dict[str, tuple[int, ...]], cfg: ModelConfig) -> bool:
+    """Stored tensors that are never loaded: recomputed buffers, a tied model's copy of the
+    head, and DeepSeek-V3's multi-token-prediction layers (numbered past the last layer)."""
+    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and name not in wanted):
+        return True
+    extra = re.match(r"model\.layers\.(\d+)\.", name)
+    return cfg.arch == "deepseek_v3" and extra is not None and int(extra.group(1)) >= cfg.n_layers
+
+
+def _read_shard(file: pathlib.Path, wanted: dict[str, tuple[int, ...]], cfg: ModelConfig
                 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """`file`'s tensors that are in `wanted`, as float32, and their stored dtypes."""
     tensors, types = {}, {}
     try:
         with safetensors.safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and name not in wanted):
+                if _skipped(name, wanted, cfg):
                     continue
                 if name not in wanted:
                     raise JaxdecError(f"{file}: unexpected tensor {name!r}")
@@ -149,7 +293,7 @@ def _read_shard(file: pathlib.Path, wanted: dict[str, tuple[int, ...]]
 
 
 def read_hf_dir(path: str | pathlib.Path) -> Checkpoint:
-    """A Hugging Face Llama/Qwen2 directory as a `Checkpoint` of float32 tensors.
+    """A Hugging Face model directory as a `Checkpoint` of float32 tensors.
 
     A tied model's `lm_head.weight`, if stored, is dropped (the embedding is the head).
     Every user-facing problem is a one-line JaxdecError.
@@ -164,7 +308,7 @@ def read_hf_dir(path: str | pathlib.Path) -> Checkpoint:
     tok = Tokenizer.from_hf_dir(path)
     cfg = config_from_hf(config, tok, path)
     wanted = hf_tensor_shapes(cfg)
-    shards = [_read_shard(file, wanted) for file in _safetensors_files(path)]
+    shards = [_read_shard(file, wanted, cfg) for file in _safetensors_files(path)]
     tensors = {k: v for shard, _ in shards for k, v in shard.items()}
     types = {k: v for _, shard_types in shards for k, v in shard_types.items()}
     missing = [n for n in wanted if n not in tensors]

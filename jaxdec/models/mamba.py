@@ -1,7 +1,7 @@
 """Mamba2 (SSD) as pure functions: the selective state-space scan (chunked for prefill, one
 step for decode), the causal depthwise conv1d with its conv-state cache, the gated RMSNorm,
-and the mixer layer that wires them (HF `Mamba2Mixer`). Model configs, HF loading and the
-hybrid layer pattern come with the architectures issue.
+and the mixer layer that wires them (HF `Mamba2Mixer`), and the sublayer a model's "mamba"
+layers run (`block`).
 
 Shapes (one vocabulary with layers.py where letters overlap): B batch, T time, nh heads,
 hd head dim, ng groups (heads share B/C within a group: head h uses group h // (nh // ng)),
@@ -18,12 +18,14 @@ A token with dt = 0 leaves the state as it was: padding and finished rows pass d
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxdec import layers
+from jaxdec.cache import dense
+from jaxdec.config import MambaConfig, ModelConfig
+from jaxdec.pytree import ParamSpec
 
 
 def _heads_per_group(nh: int, ng: int) -> int:
@@ -121,30 +123,6 @@ def gated_rms_norm(y, z, w, eps: float, groups: int):
     return out.reshape(y.shape).astype(y.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class MixerConfig:
-    """A Mamba2 mixer's shapes (HF Mamba2Config / NemotronH names in comments)."""
-
-    d_model: int  # hidden_size
-    n_heads: int  # num_heads (mamba_num_heads)
-    head_dim: int  # head_dim (mamba_head_dim)
-    n_groups: int  # n_groups
-    d_state: int  # state_size (ssm_state_size)
-    d_conv: int  # conv_kernel
-    chunk: int = 256  # chunk_size
-    eps: float = 1e-6  # layer_norm_epsilon (of the gated norm)
-    dt_min: float = 0.0  # time_step_limit
-    dt_max: float = math.inf
-
-    @property
-    def d_inner(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.d_inner + 2 * self.n_groups * self.d_state
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MixerParams:
@@ -158,14 +136,40 @@ class MixerParams:
     out_proj: jax.Array  # [d_inner, D]
 
 
-def init_state(cfg: MixerConfig, batch: int, dtype=jnp.float32):
+def declare(cfg: ModelConfig) -> MixerParams:
+    m, d = cfg.mamba, cfg.d_model
+    vec = lambda n, init="normal": ParamSpec((n,), ("mamba_heads",), init=init)
+    return MixerParams(
+        in_proj=ParamSpec((d, m.d_inner + m.conv_dim + m.n_heads), ("embed", "mamba_in"), n_in=1),
+        conv_w=ParamSpec((m.d_conv, m.conv_dim), (None, "mamba_conv"), scale=0.3),
+        conv_b=ParamSpec((m.conv_dim,), ("mamba_conv",), init="zeros"),
+        dt_bias=vec(m.n_heads), A_log=vec(m.n_heads), D=vec(m.n_heads, "ones"),
+        norm=ParamSpec((m.d_inner,), ("norm",), init="ones"),
+        out_proj=ParamSpec((m.d_inner, d), ("mamba_inner", "embed"), n_in=1),
+    )
+
+
+def init_state(cfg: MambaConfig, batch: int, dtype=jnp.float32):
     """(conv_state [B, d_conv-1, conv_dim], ssm_state f32[B, n_heads, head_dim, d_state]):
     the per-row decode state of one Mamba layer, the same size at any sequence length."""
     return (jnp.zeros((batch, cfg.d_conv - 1, cfg.conv_dim), dtype),
             jnp.zeros((batch, cfg.n_heads, cfg.head_dim, cfg.d_state), jnp.float32))
 
 
-def mixer(p: MixerParams, x, conv_state, ssm_state, lengths, cfg: MixerConfig):
+def block(x, p: MixerParams, positions, entry: dense.StateLayer | None, cfg: ModelConfig):
+    """The Mamba sublayer of a model: x [B, T, D] -> ([B, T, D], updated state). Rows are
+    right-padded (positions < 0 mark padding and inactive rows, which leave the state as it
+    was); without a cache entry the scan starts from zeros."""
+    lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+    if entry is None:
+        conv, ssm = init_state(cfg.mamba, x.shape[0], x.dtype)
+    else:
+        conv, ssm = entry.conv, entry.ssm
+    y, conv, ssm = mixer(p, x, conv, ssm, lengths, cfg.mamba, cfg.norm_eps)
+    return y, (None if entry is None else dense.StateLayer(conv=conv, ssm=ssm))
+
+
+def mixer(p: MixerParams, x, conv_state, ssm_state, lengths, cfg: MambaConfig, eps: float):
     """x [B, T, D], right-padded (row b has lengths[b] real tokens; 0 leaves a row's state as
     it was) -> (y [B, T, D] in x.dtype, conv_state, ssm_state). T == 1 is the decode step."""
     b, t, _ = x.shape
@@ -186,6 +190,6 @@ def mixer(p: MixerParams, x, conv_state, ssm_state, lengths, cfg: MixerConfig):
         y = y[:, None]
     else:
         y, ssm_state = ssd_chunked(xs, dt, A, B, C, p.D, chunk=min(cfg.chunk, t), state=ssm_state)
-    y = gated_rms_norm(y.reshape(b, t, cfg.d_inner).astype(x.dtype), z, p.norm, cfg.eps,
+    y = gated_rms_norm(y.reshape(b, t, cfg.d_inner).astype(x.dtype), z, p.norm, eps,
                        cfg.n_groups)
     return layers.linear(y, p.out_proj), conv_state, ssm_state

@@ -13,95 +13,33 @@ for prefill); `absorbed=True` folds W_UK[h] into the query and W_UV[h] into the 
 the softmax runs against the latents themselves (decode: nothing per head is materialised
 for the cache). Both are the same function up to rounding.
 
-RoPE uses YaRN scaling as DeepSeek configs set it (`yarn`), on interleaved rotary pairs when
-`rope_interleave` (DeepSeek's checkpoints).
+RoPE uses the model's scaling (YaRN in DeepSeek's configs), on interleaved rotary pairs when
+`cfg.mla.rope_interleave` (DeepSeek's checkpoints).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxdec import layers
+from jaxdec.cache import dense
+from jaxdec.config import ModelConfig, yarn_mscale
+from jaxdec.pytree import ParamSpec
+
+# Query chunks up to this long attend in the absorbed form (decode, speculative verification).
+MAX_ABSORBED_T = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class Yarn:
-    """YaRN RoPE scaling (HF rope_parameters with rope_type "yarn")."""
-
-    factor: float
-    original_max_position: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    truncate: bool = True
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inv_freq(dim: int, theta: float, y: Yarn) -> tuple[np.ndarray, float]:
-    """(f32[dim/2] inverse frequencies, the factor on cos/sin): dimensions that turn more
-    than beta_fast times over the original context keep their frequency, those under
-    beta_slow are interpolated by `factor`, a linear ramp in between."""
-    pos = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    extrapolate, interpolate = 1.0 / pos, 1.0 / (np.float32(y.factor) * pos)
-
-    def corr_dim(rotations):
-        return dim * math.log(y.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = corr_dim(y.beta_fast), corr_dim(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp
-    inv_freq = (interpolate * (1 - keep) + extrapolate * keep).astype(np.float32)
-    if y.mscale and y.mscale_all_dim:
-        attn = _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
-    else:
-        attn = _yarn_mscale(y.factor)
-    return inv_freq, float(attn)
-
-
-@dataclasses.dataclass(frozen=True)
-class MLAConfig:
-    d_model: int
-    n_heads: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-    eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_interleave: bool = True
-    yarn: Yarn | None = None
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def scale(self) -> float:
-        """Softmax scale: qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN."""
-        s = self.qk_head_dim ** -0.5
-        if self.yarn is not None and self.yarn.mscale_all_dim:
-            s *= _yarn_mscale(self.yarn.factor, self.yarn.mscale_all_dim) ** 2
-        return s
-
-    def rope_tables(self) -> tuple[np.ndarray, float]:
-        if self.yarn is None:
-            return layers.rope_inv_freq(self.qk_rope_head_dim, self.rope_theta, None), 1.0
-        return yarn_inv_freq(self.qk_rope_head_dim, self.rope_theta, self.yarn)
+def softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN (as DeepSeek)."""
+    s = cfg.mla.qk_head_dim ** -0.5
+    y = cfg.rope_scaling
+    if y is not None and y.kind == "yarn" and y.mscale_all_dim:
+        s *= yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+    return s
 
 
 @jax.tree_util.register_dataclass
@@ -117,38 +55,38 @@ class MLAParams:
     o: jax.Array  # [N, v_head_dim, D]
 
 
-def _rope(x, positions, cfg: MLAConfig):
+def _rope(x, positions, cfg: ModelConfig):
     """x [B, T, n, r]: interleaved pairs are laid out as halves first (the same permutation for
     queries and keys, so scores are unchanged), then rotate-half RoPE, times YaRN's factor."""
-    if cfg.rope_interleave:
+    if cfg.mla.rope_interleave:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-    inv_freq, attn_factor = cfg.rope_tables()
-    out = layers.rope(x, jnp.maximum(positions, 0), inv_freq)
-    return out * jnp.asarray(attn_factor, out.dtype) if attn_factor != 1.0 else out
+    inv_freq = layers.rope_inv_freq(cfg.mla.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
+    return layers.rope(x, jnp.maximum(positions, 0), inv_freq, factor)
 
 
-def queries(p: MLAParams, x, positions, cfg: MLAConfig):
+def queries(p: MLAParams, x, positions, cfg: ModelConfig):
     """x [B, T, D] -> (q_nope [B, T, N, nope], q_rope [B, T, N, rope], roped)."""
     if p.q is not None:
         q = layers.linear(x, p.q)
     else:
-        q = layers.linear(layers.rms_norm(layers.linear(x, p.q_a), p.q_a_norm, cfg.eps), p.q_b)
-    q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+        q = layers.linear(layers.rms_norm(layers.linear(x, p.q_a), p.q_a_norm, cfg.norm_eps), p.q_b)
+    q_nope, q_rope = jnp.split(q, [cfg.mla.qk_nope_head_dim], axis=-1)
     return q_nope, _rope(q_rope, positions, cfg)
 
 
-def latents(p: MLAParams, x, positions, cfg: MLAConfig):
+def latents(p: MLAParams, x, positions, cfg: ModelConfig):
     """What the cache stores per token: (c [B, T, kv_lora_rank], k_rope [B, T, rope])."""
     ckv = layers.linear(x, p.kv_a)
-    c, k_rope = jnp.split(ckv, [cfg.kv_lora_rank], axis=-1)
-    c = layers.rms_norm(c, p.kv_a_norm, cfg.eps)
+    c, k_rope = jnp.split(ckv, [cfg.mla.kv_lora_rank], axis=-1)
+    c = layers.rms_norm(c, p.kv_a_norm, cfg.norm_eps)
     return c, _rope(k_rope[:, :, None, :], positions, cfg)[:, :, 0, :]
 
 
-def attend(p: MLAParams, q_nope, q_rope, c, k_rope, mask, cfg: MLAConfig, *, absorbed: bool):
+def attend(p: MLAParams, q_nope, q_rope, c, k_rope, mask, cfg: ModelConfig, *, absorbed: bool):
     """Attention of the queries over latents c [B, S, R], k_rope [B, S, rope] with
     mask bool[B, T, S] -> [B, T, D] (after the output projection)."""
-    w_uk, w_uv = jnp.split(p.kv_b, [cfg.qk_nope_head_dim], axis=-1)  # [R, N, nope], [R, N, v]
+    w_uk, w_uv = jnp.split(p.kv_b, [cfg.mla.qk_nope_head_dim], axis=-1)  # [R, N, nope], [R, N, v]
     f32 = jnp.float32
     rope_scores = jnp.einsum("btnr,bsr->bnts", q_rope, k_rope, preferred_element_type=f32)
     if absorbed:
@@ -157,7 +95,7 @@ def attend(p: MLAParams, q_nope, q_rope, c, k_rope, mask, cfg: MLAConfig, *, abs
     else:
         k_nope = jnp.einsum("bsr,rnk->bsnk", c, w_uk)
         scores = jnp.einsum("btnk,bsnk->bnts", q_nope, k_nope, preferred_element_type=f32)
-    scores = jnp.where(mask[:, None], (scores + rope_scores) * cfg.scale, layers.NEG_INF)
+    scores = jnp.where(mask[:, None], (scores + rope_scores) * softmax_scale(cfg), layers.NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     if absorbed:
         out_lat = jnp.einsum("bnts,bsr->btnr", probs.astype(c.dtype), c, preferred_element_type=f32)
@@ -166,3 +104,37 @@ def attend(p: MLAParams, q_nope, q_rope, c, k_rope, mask, cfg: MLAConfig, *, abs
         v = jnp.einsum("bsr,rnv->bsnv", c, w_uv)
         out = jnp.einsum("bnts,bsnv->btnv", probs.astype(v.dtype), v, preferred_element_type=f32)
     return layers.linear(out.astype(q_nope.dtype), p.o, n_in=2)
+
+
+def declare(cfg: ModelConfig) -> MLAParams:
+    m, d, n = cfg.mla, cfg.d_model, cfg.n_heads
+    full_q = m.q_lora_rank is None
+    return MLAParams(
+        q=ParamSpec((d, n, m.qk_head_dim), ("embed", "q_heads", "head_dim"), n_in=1) if full_q else None,
+        q_a=None if full_q else ParamSpec((d, m.q_lora_rank), ("embed", "q_lora"), n_in=1),
+        q_a_norm=None if full_q else ParamSpec((m.q_lora_rank,), ("norm",), init="ones"),
+        q_b=None if full_q else ParamSpec((m.q_lora_rank, n, m.qk_head_dim),
+                                          ("q_lora", "q_heads", "head_dim"), n_in=1),
+        kv_a=ParamSpec((d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "kv_lora"), n_in=1),
+        kv_a_norm=ParamSpec((m.kv_lora_rank,), ("norm",), init="ones"),
+        kv_b=ParamSpec((m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim),
+                       ("kv_lora", "q_heads", "head_dim"), n_in=1),
+        o=ParamSpec((n, m.v_head_dim, d), ("q_heads", "head_dim", "embed"), n_in=2),
+    )
+
+
+def block(x, p: MLAParams, positions, entry: dense.LatentLayer | None, past, cfg: ModelConfig):
+    """The attention sublayer of an MLA model: x [B, T, D] -> ([B, T, D], updated cache
+    entry). Queries see the cached latents marked by `past` (bool[B, T, S]) and the chunk's
+    own, causally. Short chunks (decode, verification) run absorbed, so the cache is read
+    as latents; long ones (prefill) expand keys and values per head."""
+    q_nope, q_rope = queries(p, x, positions, cfg)
+    c, k_rope = latents(p, x, positions, cfg)
+    mask = dense.chunk_mask(positions)
+    absorbed = x.shape[1] <= MAX_ABSORBED_T
+    if entry is None:
+        return attend(p, q_nope, q_rope, c, k_rope, mask, cfg, absorbed=absorbed), None
+    out = attend(p, q_nope, q_rope, jnp.concatenate([entry.c, c.astype(entry.c.dtype)], axis=1),
+                 jnp.concatenate([entry.k_rope, k_rope.astype(entry.k_rope.dtype)], axis=1),
+                 jnp.concatenate([past, mask], axis=2), cfg, absorbed=absorbed)
+    return out, dense.write_latent(entry, c, k_rope, positions)

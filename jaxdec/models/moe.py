@@ -1,11 +1,19 @@
 """Mixture-of-experts as pure functions: routers (softmax top-k as Qwen-MoE and Mixtral route;
 DeepSeek-V3's sigmoid scores with bias correction and group-limited top-k), dropless expert
-dispatch with grouped matmuls, shared experts. Model configs and HF loading come with the
-architectures issue.
+dispatch with grouped matmuls, shared experts, and the "moe" sublayer of a model (`block`).
 
 Letters: N tokens (batch and time folded), D model dim, F expert hidden dim, E experts,
 k experts per token. Expert weights are stored (in, out) like every jaxdec weight:
-w_gate, w_up [E, D, F], w_down [E, F, D].
+w_gate, w_up [E, D, F], w_down [E, F, D]. Experts are SwiGLU MLPs, or squared-ReLU MLPs
+without a gate (Nemotron-H: w_gate None), as the model's dense MLPs are.
+
+Dispatch (`experts`) picks by the static number of (token, expert) pairs N*k:
+- at most E pairs (decoding): each pair gathers its expert's weights, so a step reads only
+  the k experts each token uses: fewer active experts, fewer bytes;
+- more: dropless grouped matmuls over the pairs sorted by expert (`jax.lax.ragged_dot`).
+  XLA:CPU lowers `ragged_dot` to a masked dense dot over all E experts for every pair
+  (E times the work), so on the CPU every expert runs once over every token instead, with
+  the weights of unrouted pairs zero: the same sums, E/k times less work than the lowering.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec import layers
+from jaxdec.quant import cpu_kernel
+from jaxdec.config import ModelConfig, MoEConfig
+from jaxdec.pytree import ParamSpec
 
 
 def route_softmax(logits, k: int, normalize: bool):
@@ -51,12 +62,31 @@ def route_grouped_sigmoid(logits, bias, k: int, n_group: int, topk_group: int, n
     return weights * scale, idx
 
 
+def route(logits, bias, cfg: MoEConfig):
+    """Router logits [N, E] (and DeepSeek-V3's correction bias or None) -> (weights f32[N, k],
+    experts i32[N, k]), by `cfg.router`."""
+    if cfg.router == "softmax":
+        return route_softmax(logits, cfg.top_k, cfg.normalize)
+    if cfg.router == "sigmoid":
+        bias = jnp.zeros(logits.shape[-1], jnp.float32) if bias is None else bias
+        return route_grouped_sigmoid(logits, bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                                     cfg.normalize, cfg.scale)
+    if bias is not None:  # "select": the top k of logits + bias, each weighted 1
+        logits = logits.astype(jnp.float32) + bias.astype(jnp.float32)
+    _, idx = jax.lax.top_k(logits.astype(jnp.float32), cfg.top_k)
+    return jnp.ones(idx.shape, jnp.float32), idx
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Experts:
-    w_gate: jax.Array  # [E, D, F]
+    w_gate: jax.Array | None  # [E, D, F]; None: squared-ReLU experts
     w_up: jax.Array  # [E, D, F]
     w_down: jax.Array  # [E, F, D]
+
+
+def _act(gate, up):
+    return jax.nn.silu(gate) * up if gate is not None else jnp.square(jax.nn.relu(up))
 
 
 def experts_dropless(x, idx, weights, p: Experts):
@@ -65,21 +95,59 @@ def experts_dropless(x, idx, weights, p: Experts):
     (`jax.lax.ragged_dot`), each expert over exactly the rows routed to it.
     x [N, D]; idx i32[N, k]; weights [N, k] -> [N, D] in x.dtype."""
     n, k = idx.shape
-    e = p.w_gate.shape[0]
+    e = p.w_up.shape[0]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
-    h = (jax.nn.silu(jax.lax.ragged_dot(xs, p.w_gate, sizes, preferred_element_type=jnp.float32))
-         * jax.lax.ragged_dot(xs, p.w_up, sizes, preferred_element_type=jnp.float32))
-    y = jax.lax.ragged_dot(h.astype(x.dtype), p.w_down, sizes, preferred_element_type=jnp.float32)
+    grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
+    h = _act(None if p.w_gate is None else grouped(xs, p.w_gate), grouped(xs, p.w_up))
+    y = grouped(h.astype(x.dtype), p.w_down)
     y = y * weights.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
+def experts_gathered(x, idx, weights, p: Experts):
+    """`experts_dropless` for few pairs: each (token, expert) pair multiplies by its expert's
+    weights where they lie (`cpu_kernel.expert_matmul`: on the CPU nothing is copied, so only
+    the chosen experts are read). x [N, D]; idx i32[N, k]; weights [N, k]."""
+    n, k = idx.shape
+    slots = idx.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)[:, None, :]  # [N*k, 1, D]
+    mm = lambda a, w: cpu_kernel.expert_matmul(a, w, slots)
+    h = _act(None if p.w_gate is None else mm(xs, p.w_gate), mm(xs, p.w_up))  # [N*k, 1, F]
+    y = mm(h.astype(x.dtype), p.w_down).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def experts_every(x, idx, weights, p: Experts):
+    """`experts_dropless` computed as every expert over every token, the pairs not routed
+    weighted zero (the CPU's form for many pairs; see the module docstring)."""
+    f32 = jnp.float32
+    e = p.w_up.shape[0]
+    dense_w = jnp.zeros((x.shape[0], e), f32).at[jnp.arange(x.shape[0])[:, None], idx].add(
+        weights.astype(f32))
+    mm = lambda a, w, spec: jnp.einsum(spec, a.astype(f32), w.astype(f32))  # as in experts_gathered
+    h = _act(None if p.w_gate is None else mm(x, p.w_gate, "nd,edf->nef"), mm(x, p.w_up, "nd,edf->nef"))
+    y = mm(h.astype(x.dtype), p.w_down, "nef,efd->ned")
+    return jnp.einsum("ned,ne->nd", y, dense_w).astype(x.dtype)
+
+
+def experts(x, idx, weights, p: Experts):
+    """sum_j weights[n, j] * expert_{idx[n, j]}(x[n]), every pair computed (dropless), by the
+    dispatch that suits N*k (see the module docstring)."""
+    n, k = idx.shape
+    if n * k <= p.w_up.shape[0]:
+        return experts_gathered(x, idx, weights, p)
+    if jax.default_backend() == "cpu":
+        return experts_every(x, idx, weights, p)
+    return experts_dropless(x, idx, weights, p)
+
+
 def shared_expert(x, w_gate, w_up, w_down, gate=None):
-    """The always-on expert (a SwiGLU MLP); Qwen-MoE scales it by sigmoid(x @ gate)."""
+    """The always-on expert (a SwiGLU or squared-ReLU MLP); Qwen-MoE scales it by
+    sigmoid(x @ gate)."""
     y = layers.gated_mlp(x, w_gate, w_up, w_down)
     if gate is not None:
         y = y * jax.nn.sigmoid(layers.linear(x, gate, dtype=jnp.float32)).astype(y.dtype)
@@ -100,3 +168,46 @@ def moefy(w_gate, w_up, w_down, n_experts: int, order=None) -> Experts:
     split_in = lambda w: jnp.moveaxis(w[:, perm].reshape(d, n_experts, per), 1, 0)  # [E, D, F/E]
     return Experts(w_gate=split_in(w_gate), w_up=split_in(w_up),
                    w_down=w_down[perm].reshape(n_experts, per, d))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEParams:
+    router: jax.Array  # [D, E]
+    router_bias: jax.Array | None  # [E]: DeepSeek-V3's correction, used only to choose
+    experts: Experts
+    shared_gate: jax.Array | None  # [D, F_shared]
+    shared_up: jax.Array | None  # [D, F_shared]
+    shared_down: jax.Array | None  # [F_shared, D]
+    shared_scale: jax.Array | None  # [D, 1]: Qwen-MoE's sigmoid gate on the shared expert
+
+
+def declare(cfg: ModelConfig) -> MoEParams:
+    m, d = cfg.moe, cfg.d_model
+    gated = cfg.mlp_act == "silu"
+    ew = lambda shape, axes: ParamSpec(shape, axes)  # experts are not matmul-declared (n_in)
+    expert_in = ew((m.n_experts, d, m.d_expert), ("expert", "embed", "expert_mlp"))
+    shared = m.d_shared > 0
+    lin = lambda shape, axes: ParamSpec(shape, axes, n_in=1) if shared else None
+    return MoEParams(
+        router=ParamSpec((d, m.n_experts), ("embed", None)),
+        router_bias=ParamSpec((m.n_experts,), (None,), init="zeros") if m.router_bias else None,
+        experts=Experts(w_gate=expert_in if gated else None, w_up=expert_in,
+                        w_down=ew((m.n_experts, m.d_expert, d), ("expert", "expert_mlp", "embed"))),
+        shared_gate=lin((d, m.d_shared), ("embed", "mlp")) if gated else None,
+        shared_up=lin((d, m.d_shared), ("embed", "mlp")),
+        shared_down=lin((m.d_shared, d), ("mlp", "embed")),
+        shared_scale=ParamSpec((d, 1), ("embed", None)) if shared and m.shared_gate else None,
+    )
+
+
+def block(x, p: MoEParams, cfg: ModelConfig):
+    """The "moe" sublayer: x [B, T, D] -> [B, T, D]. The router runs in float32."""
+    b, t, d = x.shape
+    xs = x.reshape(b * t, d)
+    logits = jnp.dot(xs.astype(jnp.float32), p.router.astype(jnp.float32))
+    weights, idx = route(logits, p.router_bias, cfg.moe)
+    y = experts(xs, idx, weights, p.experts)
+    if p.shared_up is not None:
+        y = y + shared_expert(xs, p.shared_gate, p.shared_up, p.shared_down, gate=p.shared_scale)
+    return y.reshape(b, t, d)

@@ -1,7 +1,10 @@
-"""The Llama family (Llama, SmolLM2, Qwen2) as a pure function.
+"""Every jaxdec model family as one pure function: the Llama family (Llama, SmolLM2,
+Qwen2), MoE (Mixtral, Qwen2/3-MoE), MLA (DeepSeek-V3), Mamba2 and hybrids (Nemotron-H).
 
     logits, cache = forward(params, tokens, positions, cache, cfg)
 
+Each layer is a pre-norm residual mixer (attention, MLA or Mamba2) and/or feed-forward (MLP
+or MoE), by `cfg.layer_types`; the cache holds one entry per layer (`jaxdec.cache.dense`).
 Prefill and decode are this same function on different shapes. `positions` (i32[B, T])
 gives each token's position; a negative position marks padding (ragged batches). With
 `cache=None` the tokens attend only to each other (scoring a whole sequence).
@@ -14,20 +17,19 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxdec import layers, quant
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
+from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv",
-                      "mlp_norm", "w_gate", "w_up", "w_down"], meta_fields=[])
+         data_fields=["wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class LayerParams:
-    attn_norm: jax.Array  # [D]
+class Attention:
     wq: jax.Array  # [D, N, H]
     wk: jax.Array  # [D, K, H]
     wv: jax.Array  # [D, K, H]
@@ -35,10 +37,34 @@ class LayerParams:
     bq: jax.Array | None  # [N, H] (Qwen2) or None
     bk: jax.Array | None  # [K, H]
     bv: jax.Array | None  # [K, H]
-    mlp_norm: jax.Array  # [D]
-    w_gate: jax.Array  # [D, F]
+    q_norm: jax.Array | None  # [H] (Qwen3) or None
+    k_norm: jax.Array | None  # [H]
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["w_gate", "w_up", "w_down"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MLP:
+    w_gate: jax.Array | None  # [D, F]; None for the squared-ReLU MLP
     w_up: jax.Array  # [D, F]
     w_down: jax.Array  # [F, D]
+
+
+Mixer = Attention | mla.MLAParams | mamba.MixerParams
+FeedForward = MLP | moe.MoEParams
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["mixer_norm", "mixer", "ffn_norm", "ffn"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """One layer: x += mixer(norm(x)), then x += ffn(norm(x)); either part may be absent
+    (None), as the config's layer type says."""
+
+    mixer_norm: jax.Array | None  # [D]
+    mixer: Mixer | None
+    ffn_norm: jax.Array | None  # [D]
+    ffn: FeedForward | None
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -53,29 +79,40 @@ class Params:
 
 def declare(cfg: ModelConfig) -> Params:
     """The one declaration of every parameter: shape, logical axes, initializer."""
-    d, n, k, h, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.vocab_size)
+    d, v = cfg.d_model, cfg.vocab_size
     norm = ParamSpec((d,), ("norm",), init="ones")
+    mixers = {"attention": _declare_attention, "mla": mla.declare, "mamba": mamba.declare}
+    ffns = {"mlp": _declare_mlp, "moe": moe.declare}
+    layer = lambda mixer, ffn: LayerParams(
+        mixer_norm=norm if mixer else None, mixer=mixers[mixer](cfg) if mixer else None,
+        ffn_norm=norm if ffn else None, ffn=ffns[ffn](cfg) if ffn else None)
+    return Params(
+        embed=None if cfg.tie_embeddings else ParamSpec((v, d), ("vocab", "embed")),
+        layers=tuple(layer(mixer, ffn) for mixer, ffn in cfg.kinds),
+        final_norm=norm,
+        lm_head=ParamSpec((d, v), ("embed", "vocab"), n_in=1),
+    )
+
+
+def _declare_attention(cfg: ModelConfig) -> Attention:
+    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     bias = lambda heads, name: (ParamSpec((heads, h), (name, "head_dim"), init="zeros")
                                 if cfg.qkv_bias else None)
-    layer = LayerParams(
-        attn_norm=norm,
+    qk_norm = ParamSpec((h,), ("norm",), init="ones") if cfg.qk_norm else None
+    return Attention(
         wq=ParamSpec((d, n, h), ("embed", "q_heads", "head_dim"), n_in=1),
         wk=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim"), n_in=1),
         wv=ParamSpec((d, k, h), ("embed", "kv_heads", "head_dim"), n_in=1),
         wo=ParamSpec((n, h, d), ("q_heads", "head_dim", "embed"), n_in=2),
         bq=bias(n, "q_heads"), bk=bias(k, "kv_heads"), bv=bias(k, "kv_heads"),
-        mlp_norm=norm,
-        w_gate=ParamSpec((d, f), ("embed", "mlp"), n_in=1),
-        w_up=ParamSpec((d, f), ("embed", "mlp"), n_in=1),
-        w_down=ParamSpec((f, d), ("mlp", "embed"), n_in=1),
-    )
-    return Params(
-        embed=None if cfg.tie_embeddings else ParamSpec((v, d), ("vocab", "embed")),
-        layers=tuple(layer for _ in range(cfg.n_layers)),
-        final_norm=norm,
-        lm_head=ParamSpec((d, v), ("embed", "vocab"), n_in=1),
-    )
+        q_norm=qk_norm, k_norm=qk_norm)
+
+
+def _declare_mlp(cfg: ModelConfig) -> MLP:
+    d, f = cfg.d_model, cfg.d_ff
+    return MLP(w_gate=ParamSpec((d, f), ("embed", "mlp"), n_in=1) if cfg.mlp_act == "silu" else None,
+               w_up=ParamSpec((d, f), ("embed", "mlp"), n_in=1),
+               w_down=ParamSpec((f, d), ("mlp", "embed"), n_in=1))
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -98,16 +135,20 @@ def _take(table: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def attention_block(x, p: LayerParams, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig):
+def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig):
     """x: [B, T, D] -> ([B, T, D], updated cache layer). `past` (bool[B, T, S]) marks the
     cache slots each query sees besides the chunk itself (None without a cache)."""
     with jax.named_scope("attention"):
         q, k, v = layers.linear(x, p.wq), layers.linear(x, p.wk), layers.linear(x, p.wv)
         if p.bq is not None:
             q, k, v = q + p.bq, k + p.bk, v + p.bv
-        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q, k = layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
-        chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), _chunk_mask(positions))
+        if p.q_norm is not None:
+            q, k = layers.rms_norm(q, p.q_norm, cfg.norm_eps), layers.rms_norm(k, p.k_norm, cfg.norm_eps)
+        if cfg.attention_rope:
+            inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
+            q, k = layers.rope(q, positions, inv_freq, factor), layers.rope(k, positions, inv_freq, factor)
+        chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), dense.chunk_mask(positions))
         if kv is None:  # attend within the chunk only
             out = layers.attention(q, chunk)
         else:  # the cache as it was before this chunk, then the chunk itself
@@ -116,19 +157,29 @@ def attention_block(x, p: LayerParams, positions, kv: dense.KVLayer | None, past
         return layers.linear(out, p.wo, n_in=2), kv
 
 
-def _chunk_mask(positions: jax.Array) -> jax.Array:
-    """bool[B, T, T]: causal by position, padding (position < 0) sees and is seen by nothing."""
-    q, k = positions[:, :, None], positions[:, None, :]
-    return (k <= q) & (k >= 0) & (q >= 0)
-
-
-def decoder_layer(x, p: LayerParams, positions, kv, past, cfg: ModelConfig):
-    h, kv = attention_block(layers.rms_norm(x, p.attn_norm, cfg.norm_eps), p, positions, kv,
-                            past, cfg)
-    x = x + h
-    x = x + layers.gated_mlp(layers.rms_norm(x, p.mlp_norm, cfg.norm_eps),
-                             p.w_gate, p.w_up, p.w_down)
-    return x, kv
+def decoder_layer(x, p: LayerParams, positions, entry, past, cfg: ModelConfig, kind):
+    """One layer of kind (mixer, feed-forward) -> (x, its updated cache entry)."""
+    mixer, ffn = kind
+    if mixer is not None:
+        h = layers.rms_norm(x, p.mixer_norm, cfg.norm_eps)
+        if mixer == "attention":
+            h, entry = attention_block(h, p.mixer, positions, entry, past, cfg)
+        elif mixer == "mla":
+            with jax.named_scope("mla"):
+                h, entry = mla.block(h, p.mixer, positions, entry, past, cfg)
+        else:
+            with jax.named_scope("mamba"):
+                h, entry = mamba.block(h, p.mixer, positions, entry, cfg)
+        x = x + h
+    if ffn is not None:
+        h = layers.rms_norm(x, p.ffn_norm, cfg.norm_eps)
+        if ffn == "mlp":
+            h = layers.gated_mlp(h, p.ffn.w_gate, p.ffn.w_up, p.ffn.w_down)
+        else:
+            with jax.named_scope("moe"):
+                h = moe.block(h, p.ffn, cfg)
+        x = x + h
+    return x, entry
 
 
 def hidden(params: Params, tokens, positions, cache: dense.KVCache | None, cfg: ModelConfig):
@@ -136,11 +187,11 @@ def hidden(params: Params, tokens, positions, cache: dense.KVCache | None, cfg: 
     x = embed(params, tokens)
     past = None if cache is None else dense.before(cache.lengths, positions, cache.n_slots)
     new_layers = []
-    for i, p in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
-        kv = None if cache is None else cache.layers[i]
+    for i, (p, kind) in enumerate(zip(params.layers, cfg.kinds)):  # unrolled: faster than scan on XLA:CPU
+        entry = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer_{i}"):
-            x, kv = decoder_layer(x, p, positions, kv, past, cfg)
-        new_layers.append(kv)
+            x, entry = decoder_layer(x, p, positions, entry, past, cfg, kind)
+        new_layers.append(entry)
     x = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
     if cache is None:
         return x, None
@@ -158,47 +209,3 @@ def forward(params: Params, tokens, positions, cache, cfg: ModelConfig):
     """tokens, positions: i32[B, T] -> (f32 logits [B, T, V], cache)."""
     h, cache = hidden(params, tokens, positions, cache, cfg)
     return logits_from_hidden(params, h), cache
-
-
-def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
-                   blocks: dict[str, quant.QArray] | None = None) -> Params:
-    """Build Params from Hugging Face-named tensors (HF shapes: linear weights [out, in]).
-
-    A linear weight named in `blocks` (a `QArray` of the [in, out] matrix) is used as it
-    is, reshaped to the declared logical shape; the other weights are cast to `dtype`.
-    """
-    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    blocks = blocks or {}
-    arr = lambda a: jnp.asarray(np.asarray(a, np.float32), dtype)
-
-    def matrix(name: str, shape: tuple[int, ...], n_in: int = 1):
-        if name in blocks:
-            qa = blocks[name]
-            return dataclasses.replace(jax.tree.map(jnp.asarray, qa), shape=shape, n_in=n_in)
-        return arr(np.ascontiguousarray(tensors[name].T).reshape(shape))
-
-    def layer(i: int) -> LayerParams:
-        pre = f"model.layers.{i}."
-        t = lambda name: tensors[pre + name]
-        bias = lambda name, heads: arr(t(name).reshape(heads, h)) if cfg.qkv_bias else None
-        return LayerParams(
-            attn_norm=arr(t("input_layernorm.weight")),
-            wq=matrix(pre + "self_attn.q_proj.weight", (d, n, h)),
-            wk=matrix(pre + "self_attn.k_proj.weight", (d, k, h)),
-            wv=matrix(pre + "self_attn.v_proj.weight", (d, k, h)),
-            wo=matrix(pre + "self_attn.o_proj.weight", (n, h, d), n_in=2),
-            bq=bias("self_attn.q_proj.bias", n), bk=bias("self_attn.k_proj.bias", k),
-            bv=bias("self_attn.v_proj.bias", k),
-            mlp_norm=arr(t("post_attention_layernorm.weight")),
-            w_gate=matrix(pre + "mlp.gate_proj.weight", (d, cfg.d_ff)),
-            w_up=matrix(pre + "mlp.up_proj.weight", (d, cfg.d_ff)),
-            w_down=matrix(pre + "mlp.down_proj.weight", (cfg.d_ff, d)),
-        )
-
-    head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
-    return Params(
-        embed=None if cfg.tie_embeddings else arr(tensors["model.embed_tokens.weight"]),
-        layers=tuple(layer(i) for i in range(cfg.n_layers)),
-        final_norm=arr(tensors["model.norm.weight"]),
-        lm_head=matrix(head, (d, cfg.vocab_size)),
-    )

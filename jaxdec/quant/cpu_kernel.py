@@ -67,7 +67,7 @@ from jaxdec.quant.qarray import dequantize_rows
 
 __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
-    "dense_matmul_xla", "attention", "set_threads", "set_spin_us", "set_adaptive",
+    "dense_matmul_xla", "expert_matmul", "expert_matmul_xla", "attention", "set_threads", "set_spin_us", "set_adaptive",
     "MAX_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T",
 ]
 
@@ -75,6 +75,7 @@ SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
 TARGET = "jaxdec_qmatmul"
 DENSE_TARGET = "jaxdec_dense_matmul"
 ATTENTION_TARGET = "jaxdec_attention"
+EXPERT_TARGET = "jaxdec_expert_matmul"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 
 # Rows of x (after folding leading dimensions) from which `qmatmul` uses the XLA path
@@ -204,6 +205,8 @@ def _load() -> dict:
         jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.jaxdec_dense_matmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxdec_attention),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(EXPERT_TARGET, jax.ffi.pycapsule(lib.jaxdec_expert_matmul),
                                     platform="cpu")
     except Exception as e:  # noqa: BLE001 -- any failure means "not available"
         st["reason"] = f"could not load/register {path}: {type(e).__name__}: {e}"
@@ -439,6 +442,36 @@ def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
     kernel = functools.partial(_dense_ffi, impl=code)
     max_m = _dense_limit(x.dtype, w.dtype)
     return _dispatch(x, (w,), w.shape[1], max_m, kernel, dense_matmul_xla)
+
+
+def expert_matmul_xla(x, w, idx) -> jax.Array:
+    """``y[s] = x[s] @ w[idx[s]]`` by XLA (a gathered copy of the chosen experts)."""
+    return jnp.einsum("smk,skn->smn", x.astype(jnp.float32), w[idx].astype(jnp.float32))
+
+
+def _expert_ffi(x, w, idx, *, impl):
+    s, m, _ = x.shape
+    call = jax.ffi.ffi_call(EXPERT_TARGET, jax.ShapeDtypeStruct((s, m, w.shape[2]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w, idx, dtype=np.int64(_DENSE_DTYPES[jnp.dtype(w.dtype)]), impl=np.int64(impl))
+
+
+def expert_matmul(x, w, idx, *, impl: str | None = None) -> jax.Array:
+    """y f32[S, M, N] with y[s] = x[s] @ w[idx[s]]: x [S, M, K], w [E, K, N] float32 or
+    bfloat16, idx i32[S]. The C++ kernel on CPU reads each chosen expert in place (a
+    decoding MoE step reads only the experts its tokens use); `expert_matmul_xla` elsewhere.
+    Indices must lie in [0, E) (the kernel checks and fails the call otherwise)."""
+    x, w, idx = jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx, jnp.int32)
+    if x.ndim != 3 or w.ndim != 3 or idx.shape != x.shape[:1] or x.shape[2] != w.shape[1]:
+        raise ValueError(f"expert_matmul: x {x.shape}, w {w.shape}, idx {idx.shape} do not make "
+                         "x[S, M, K] @ w[idx[S], K, N]")
+    if not available() or jnp.dtype(w.dtype) not in _DENSE_DTYPES or x.size == 0:
+        return expert_matmul_xla(x, w, idx)
+    kernel = functools.partial(_expert_ffi, impl=_impl_code(impl))
+    x32 = x.astype(jnp.float32)
+    if PORTABLE or jax.default_backend() != "cpu":
+        return jax.lax.platform_dependent(x32, w, idx, cpu=kernel, default=expert_matmul_xla)
+    return kernel(x32, w, idx)
 
 
 def _attention_ffi(q, *flat, scale: float, impl: int):

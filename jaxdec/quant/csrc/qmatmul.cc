@@ -1395,7 +1395,14 @@ ffi::Error QMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ff
                            });
 }
 
-// dtype: 0 float32, 1 bfloat16 (must match w's element type).
+// dtype: 0 float32, 1 bfloat16; false unless it matches w's element type.
+bool dense_format(const ffi::AnyBuffer& w, int64_t dtype, Fmt* fmt) {
+  if (dtype == 0 && w.element_type() == ffi::F32) *fmt = kF32;
+  else if (dtype == 1 && w.element_type() == ffi::BF16) *fmt = kBF16;
+  else return false;
+  return true;
+}
+
 ffi::Error DenseMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                            int64_t dtype, int64_t impl) {
   const auto xd = x.dimensions();
@@ -1408,11 +1415,7 @@ ffi::Error DenseMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Resul
   if (wd[r - 2] != K || yd[r - 2] != M || yd[r - 1] != N)
     return ffi::Error::InvalidArgument("dense_matmul: shape mismatch");
   Fmt fmt;
-  if (dtype == 0 && w.element_type() == ffi::F32)
-    fmt = kF32;
-  else if (dtype == 1 && w.element_type() == ffi::BF16)
-    fmt = kBF16;
-  else
+  if (!dense_format(w, dtype, &fmt))
     return ffi::Error::InvalidArgument("dense_matmul: w must be float32 (dtype=0) or bfloat16 (dtype=1)");
   const float* xp = x.typed_data();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
@@ -1425,6 +1428,38 @@ ffi::Error DenseMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Resul
                            });
 }
 
+
+// y[s] = x[s] @ w[idx[s]] for each slot s: x f32[S, M, K], w [E, K, N] float32 or bfloat16,
+// idx s32[S] (each in [0, E)), y f32[S, M, N].  The mixture-of-experts matmul of decoding:
+// a step reads only the experts its tokens chose, in place (no gathered copy of the weights).
+ffi::Error ExpertMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> idx,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t dtype, int64_t impl) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto id = idx.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || id.size() != 1 || yd.size() != 3)
+    return ffi::Error::InvalidArgument("expert_matmul: x [S, M, K], w [E, K, N], idx [S]");
+  const int64_t S = xd[0], M = xd[1], K = xd[2], E = wd[0], N = wd[2];
+  if (wd[1] != K || id[0] != S || yd[0] != S || yd[1] != M || yd[2] != N)
+    return ffi::Error::InvalidArgument("expert_matmul: shape mismatch");
+  Fmt fmt;
+  if (!dense_format(w, dtype, &fmt))
+    return ffi::Error::InvalidArgument("expert_matmul: w must be float32 (dtype=0) or bfloat16 (dtype=1)");
+  const float* xp = x.typed_data();
+  const int32_t* ip = idx.typed_data();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
+  const int64_t wbytes = K * N * elem_bytes(fmt);
+  float* yp = y->typed_data();
+  thread_local std::vector<float> unused;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t e = ip[s];
+    if (e < 0 || e >= E) return ffi::Error::InvalidArgument("expert_matmul: expert index out of range");
+    matmul_2d(xp + s * M * K, wp + e * wbytes, nullptr, nullptr, yp + s * M * N, M, K, N, fmt, 0,
+              static_cast<int>(impl), unused);
+  }
+  return ffi::Error::Success();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention over the KV cache
@@ -1810,6 +1845,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_dense_matmul, DenseMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::AnyBuffer>()         // w (f32 or bf16)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int64_t>("dtype")
+                                  .Attr<int64_t>("impl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_expert_matmul, ExpertMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [S, M, K]
+                                  .Arg<ffi::AnyBuffer>()         // w [E, K, N] (f32 or bf16)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // idx [S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [S, M, N]
                                   .Attr<int64_t>("dtype")
                                   .Attr<int64_t>("impl"));
 

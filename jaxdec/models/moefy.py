@@ -1,0 +1,138 @@
+"""MoEfication: a dense SwiGLU model's MLPs turned into mixtures of experts, with a router
+fitted per layer (after Zhang et al., "MoEfication: Transformer Feed-forward Layers are
+Mixtures of Experts", 2022).
+
+For each layer, on calibration tokens run through the dense model:
+
+1. the MLP's F hidden activations h = silu(x W_gate) * (x W_up) are collected;
+2. the neurons are grouped into E experts of F / E neurons by balanced k-means on their
+   (normalised) activation magnitudes over the calibration tokens, so neurons that fire
+   together share an expert (`group_neurons`);
+3. each expert's importance for a token is the norm of its output, ||h_e W_down_e||, and a
+   linear router x -> importance is fitted by ridge regression (`fit_router`).
+
+The MoE layer then runs the top-k experts by predicted importance, each at weight 1
+(`MoEConfig(router="select")`): with all E experts active it is the dense MLP exactly, its F
+products summed in E groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdec import layers
+from jaxdec.config import ModelConfig, MoEConfig
+from jaxdec.models import moe, transformer
+
+
+@partial(jax.jit, static_argnames="cfg")
+def ffn_inputs(params: transformer.Params, tokens, cfg: ModelConfig):
+    """The normed input of every layer's feed-forward, f32[L, B, T, D], for whole windows
+    `tokens` i32[B, T] run through the model as it is."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = transformer.embed(params, tokens)
+    taps = []
+    for p, (mixer, ffn) in zip(params.layers, cfg.kinds):
+        x, _ = transformer.decoder_layer(x, p, positions, None, None, cfg, (mixer, None))
+        if ffn is not None:
+            taps.append(layers.rms_norm(x, p.ffn_norm, cfg.norm_eps).astype(jnp.float32))
+        x, _ = transformer.decoder_layer(x, p, positions, None, None, cfg, (None, ffn))
+    return jnp.stack(taps)
+
+
+def group_neurons(acts: np.ndarray, n_experts: int, *, iters: int = 12, seed: int = 0) -> np.ndarray:
+    """A permutation of the F neurons, expert by expert (F / n_experts each), from balanced
+    k-means over the neurons' activation profiles acts f32[T, F] (|h| per token, each
+    neuron's profile scaled to unit norm). Balance: neurons are assigned in order of their
+    preference margin to the nearest centroid that still has room."""
+    t, f = acts.shape
+    if f % n_experts:
+        raise ValueError(f"{f} MLP neurons do not split into {n_experts} experts")
+    size = f // n_experts
+    prof = np.abs(acts).T.astype(np.float64)  # [F, T]
+    prof /= np.linalg.norm(prof, axis=1, keepdims=True) + 1e-12
+    rng = np.random.default_rng(seed)
+    centroids = prof[rng.choice(f, n_experts, replace=False)]
+    for _ in range(iters):
+        sim = prof @ centroids.T  # [F, E] cosine similarity
+        assign = _balanced_assign(sim, size)
+        centroids = np.stack([prof[assign == e].mean(0) for e in range(n_experts)])
+        centroids /= np.linalg.norm(centroids, axis=1, keepdims=True) + 1e-12
+    return np.concatenate([np.flatnonzero(assign == e) for e in range(n_experts)])
+
+
+def _balanced_assign(sim: np.ndarray, size: int) -> np.ndarray:
+    """Each row (neuron) to one column (expert), `size` rows per column, the most decided
+    rows (best minus second-best similarity) choosing first."""
+    f, e = sim.shape
+    order = np.argsort(-sim, axis=1)
+    margin = sim[np.arange(f), order[:, 0]] - sim[np.arange(f), order[:, 1]]
+    assign, room = np.full(f, -1), np.full(e, size)
+    for i in np.argsort(-margin):
+        for c in order[i]:
+            if room[c]:
+                assign[i], room[c] = c, room[c] - 1
+                break
+    return assign
+
+
+def fit_router(x: np.ndarray, importance: np.ndarray, *, ridge: float = 1e-2):
+    """(W f32[D, E], b f32[E]) minimising ||x W + b - importance||^2 + ridge * T * ||W||^2,
+    solved in float64; x f32[T, D], importance f32[T, E]."""
+    x64, y64 = np.asarray(x, np.float64), np.asarray(importance, np.float64)
+    x_mean, y_mean = x64.mean(axis=0), y64.mean(axis=0)
+    xc = x64 - x_mean
+    gram = xc.T @ xc + ridge * x64.shape[0] * np.eye(x64.shape[1])
+    w = np.linalg.solve(gram, xc.T @ (y64 - y_mean))
+    return w.astype(np.float32), (y_mean - x_mean @ w).astype(np.float32)
+
+
+def moefy_model(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray, *,
+                n_experts: int, top_k: int, batch: int = 4, progress=None):
+    """(cfg, params) of the MoEfied model: every "mlp" layer becomes a "moe" layer of
+    `n_experts` experts, `top_k` active, routed by a router fitted on `calib` windows
+    i32[n, T]. Attention and everything else is shared with the dense model."""
+    if cfg.mlp_act != "silu" or any(ffn != "mlp" for _, ffn in cfg.kinds):
+        raise ValueError("MoEfication needs a model whose every layer has a SwiGLU MLP")
+    taps = np.concatenate([np.asarray(ffn_inputs(params, calib[i:i + batch], cfg))
+                           for i in range(0, len(calib), batch)], axis=1)  # [L, n, T, D]
+    taps = taps.reshape(taps.shape[0], -1, cfg.d_model)  # [L, tokens, D]
+    new_layers = []
+    for i, p in enumerate(params.layers):
+        x = taps[i]
+        mlp = p.ffn
+        h = np.asarray(_hidden(jnp.asarray(x), mlp.w_gate, mlp.w_up))  # [tokens, F]
+        order = group_neurons(h, n_experts, seed=i)
+        experts = moe.moefy(mlp.w_gate, mlp.w_up, mlp.w_down, n_experts, order=order)
+        importance = np.asarray(_importance(jnp.asarray(h[:, order]), experts.w_down))
+        router, bias = fit_router(x, importance)
+        ffn = moe.MoEParams(router=jnp.asarray(router), router_bias=jnp.asarray(bias),
+                            experts=experts, shared_gate=None, shared_up=None, shared_down=None,
+                            shared_scale=None)
+        new_layers.append(dataclasses.replace(p, ffn=ffn))
+        if progress:
+            progress(i + 1, len(params.layers))
+    moe_cfg = MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=cfg.d_ff // n_experts,
+                        router="select", router_bias=True)
+    new_cfg = dataclasses.replace(cfg, moe=moe_cfg, layer_types=tuple(
+        f"{mixer}+moe" if mixer else "moe" for mixer, _ in cfg.kinds))
+    return new_cfg, dataclasses.replace(params, layers=tuple(new_layers))
+
+
+@jax.jit
+def _hidden(x, w_gate, w_up):
+    return jax.nn.silu(x @ w_gate.astype(jnp.float32)) * (x @ w_up.astype(jnp.float32))
+
+
+@jax.jit
+def _importance(h_sorted, w_down):
+    """||h_e @ W_down_e|| per token and expert: h_sorted [T, F] in expert order, w_down
+    [E, F/E, D] -> f32[T, E]."""
+    e, per, _ = w_down.shape
+    he = h_sorted.reshape(h_sorted.shape[0], e, per)
+    return jnp.linalg.norm(jnp.einsum("tep,epd->ted", he, w_down.astype(jnp.float32)), axis=-1)
