@@ -16,6 +16,14 @@ Logical axis names used by the models (documented here, next to the rules that m
     head_dim  H   per-head features
     mlp       F   feed-forward hidden units
     norm          the D of a norm scale (kept replicated by default)
+    q_lora        MLA's low-rank query dimension
+    kv_lora       MLA's latent (and, for kv_a, the latent plus the shared RoPE key)
+    expert    E   routed experts of a MoE layer
+    expert_mlp    the hidden units of one expert
+    mamba_in      Mamba2's fused in-projection outputs (z, x, B, C, dt)
+    mamba_conv    Mamba2's conv channels (x, B, C)
+    mamba_inner   Mamba2's inner channels (heads x head dim)
+    mamba_heads   Mamba2's heads (dt bias, A, D)
 
 Weights are laid out for the contraction: a linear map is stored (in, out), because XLA's
 CPU backend streams `x @ W` with W stored (K, N) several times faster than `x @ W.T`.

@@ -12,7 +12,7 @@ float32 rounding (checked first). Then, for each number of active experts k, one
 - batch-1 decode tokens/s (median of repeats, the jitted generation loop), beside the dense
   model's, and the weight bytes a step reads (the k/E share of the MLPs plus the rest).
 
-    .venv/bin/python scripts/moe_curve.py [--experts 8] [--active 8,6,4,2,1] [--calib 16]
+    .venv/bin/python scripts/moe_curve.py [--experts 8] [--shared 0] [--active 8,6,4,2,1] [--calib 16]
         [--eval 20] [--window 512] [--prompts 8] [--new 32] [--repeats 3]
 """
 
@@ -64,6 +64,8 @@ def _agreement(model, dense_rows, prompts, new: int) -> tuple[float, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--shared", type=int, default=0,
+                    help="MLP neurons kept always on as a shared expert (0: none)")
     ap.add_argument("--active", default="8,6,4,2,1")
     ap.add_argument("--calib", type=int, default=16, help="calibration windows")
     ap.add_argument("--eval", type=int, default=20, help="perplexity windows")
@@ -83,9 +85,10 @@ def main(argv=None) -> None:
 
     t0 = time.perf_counter()
     cfg, params = moefy.moefy_model(dense.params, dense.cfg, calib, n_experts=a.experts,
-                                    top_k=a.experts)
-    print(f"MoEfied SmolLM2-135M into {a.experts} experts per layer on {len(calib)} calibration "
-          f"windows of {a.window} tokens in {time.perf_counter() - t0:.0f} s")
+                                    top_k=a.experts, n_shared=a.shared)
+    print(f"MoEfied SmolLM2-135M into {a.experts} experts of {cfg.moe.d_expert} neurons per layer "
+          f"(+ {a.shared} shared) on {len(calib)} calibration windows of {a.window} tokens in "
+          f"{time.perf_counter() - t0:.0f} s")
     moe_model = dataclasses.replace(dense, cfg=cfg, params=params)
 
     probe = evals[:2, :128]
@@ -99,8 +102,9 @@ def main(argv=None) -> None:
     dense_rows = api.generate_ids(dense, prompts, max_new_tokens=a.new, stop_ids=()).token_ids
     dense_rate = _decode_rate(dense, prompts[0], 8 + 4 * a.new, a.repeats)
 
-    mlp_bytes = sum(x.nbytes for p in dense.params.layers for x in jax.tree.leaves(p.ffn))
-    rest_bytes = (sum(x.nbytes for p in dense.params.layers for x in jax.tree.leaves(p.mixer))
+    mlp_bytes = sum(x.nbytes for p in params.layers for x in jax.tree.leaves(p.ffn.experts))
+    rest_bytes = (sum(x.nbytes for p in params.layers for x in jax.tree.leaves(p.mixer))
+                  + sum(x.nbytes for p in params.layers for x in jax.tree.leaves(p.ffn)) - mlp_bytes
                   + dense.params.lm_head.nbytes)
     print(f"\nperplexity on {len(evals)} prose eval windows of {a.window}; greedy agreement over "
           f"{len(prompts)} prompts x {a.new} tokens; batch-1 decode, f32 weights\n")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxdec
 from jaxdec.models import moe
 
 torch = pytest.importorskip("torch")
@@ -124,17 +125,22 @@ def test_expert_matmul_kernel_reads_the_chosen_experts():
     from jaxdec.quant import cpu_kernel
 
     rng = np.random.default_rng(9)
-    x = rng.standard_normal((7, 3, 40)).astype(np.float32)
-    idx = rng.integers(0, 5, 7).astype(np.int32)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        w = jnp.asarray(rng.standard_normal((5, 40, 24)).astype(np.float32), dtype)
-        w64 = np.asarray(w.astype(jnp.float32), np.float64)
-        ref = np.einsum("smk,skn->smn", x.astype(np.float64), w64[idx])
-        ours = np.asarray(jax.jit(cpu_kernel.expert_matmul)(x, w, idx))
-        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    # few rows per slot (decode: one pool job over every slot's columns), and many (per slot)
+    for s, m, k, n, e in ((7, 1, 576, 200, 8), (7, 3, 40, 24, 5), (4, 20, 64, 48, 3)):
+        x = rng.standard_normal((s, m, k)).astype(np.float32)
+        idx = rng.integers(0, e, s).astype(np.int32)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            w = jnp.asarray(rng.standard_normal((e, k, n)).astype(np.float32), dtype)
+            w64 = np.asarray(w.astype(jnp.float32), np.float64)
+            x64 = x.astype(np.float64)
+            if dtype == jnp.bfloat16 and m >= 16 and cpu_kernel.has_amx():  # AMX rounds x to bf16
+                x64 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+            ref = np.einsum("smk,skn->smn", x64, w64[idx])
+            ours = np.asarray(jax.jit(cpu_kernel.expert_matmul)(x, w, idx))
+            np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     if cpu_kernel.available():
         with pytest.raises(Exception, match="expert index out of range"):
-            np.asarray(jax.jit(cpu_kernel.expert_matmul)(x, w, np.full(7, 5, np.int32)))
+            np.asarray(jax.jit(cpu_kernel.expert_matmul)(x, w, np.full(x.shape[0], e, np.int32)))
 
 
 def test_moefied_smollm2_mlp_with_all_experts_is_the_dense_mlp():
@@ -157,3 +163,36 @@ def test_moefied_smollm2_mlp_with_all_experts_is_the_dense_mlp():
     assert np.abs(half - dense).max() > 1e-2 * np.abs(dense).max()
     with pytest.raises(ValueError, match="do not split"):
         moe.moefy(lp.w_gate, lp.w_up, lp.w_down, 7)
+
+
+@pytest.mark.parametrize("n_shared", [0, 192])
+def test_moefied_smollm2_with_all_experts_is_smollm2(n_shared):
+    """SmolLM2 MoEfied (neurons clustered, routers fitted on prose calibration windows), with
+    or without a shared expert: all 8 experts active gives SmolLM2's logits (to float32
+    rounding: the MLP's products are summed in 8 groups) and its greedy tokens; 2 active
+    experts run the same loop with fewer expert reads and change the logits."""
+    import dataclasses
+
+    from conftest import jax_model
+    from jaxdec import api, corpora
+    from jaxdec.models import moefy
+
+    dense = jax_model("smollm2")
+    ids = corpora.corpus_token_ids("prose", dense.tokenizer.encode)
+    calib = np.asarray(corpora.make_windows(ids, window=64, split="calib", max_windows=4))
+    cfg, params = moefy.moefy_model(dense.params, dense.cfg, calib, n_experts=8, top_k=8,
+                                    n_shared=n_shared)
+    assert cfg.layer_types == ("attention+moe",) * 30 and cfg.moe.d_expert == (1536 - n_shared) // 8
+    full = dataclasses.replace(dense, cfg=cfg, params=params)
+    tokens = np.asarray(corpora.make_windows(ids, window=48, split="eval", max_windows=2))
+    ref, ours = api.score(dense, tokens), api.score(full, tokens)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    prompt = [tokens[0, :12].tolist()]
+    assert (api.generate_ids(full, prompt, max_new_tokens=12, stop_ids=()).token_ids
+            == api.generate_ids(dense, prompt, max_new_tokens=12, stop_ids=()).token_ids)
+    two = api.with_active_experts(full, 2)
+    assert np.abs(api.score(two, tokens) - ref).max() > 1e-2 * np.abs(ref).max()
+    with pytest.raises(jaxdec.JaxdecError, match="active experts must be 1..8"):
+        api.with_active_experts(full, 9)
+    with pytest.raises(jaxdec.JaxdecError, match="has no experts"):
+        api.with_active_experts(dense, 2)

@@ -11,6 +11,10 @@ For each layer, on calibration tokens run through the dense model:
 3. each expert's importance for a token is the norm of its output, ||h_e W_down_e||, and a
    linear router x -> importance is fitted by ridge regression (`fit_router`).
 
+Optionally the `n_shared` neurons of largest mean contribution |h| * ||W_down row|| are kept
+out of the experts and always run, as a shared expert (as LLaMA-MoE-style conversions do):
+SwiGLU MLPs are not sparse, and a few neurons carry much of every token's output.
+
 The MoE layer then runs the top-k experts by predicted importance, each at weight 1
 (`MoEConfig(router="select")`): with all E experts active it is the dense MLP exactly, its F
 products summed in E groups.
@@ -93,12 +97,16 @@ def fit_router(x: np.ndarray, importance: np.ndarray, *, ridge: float = 1e-2):
 
 
 def moefy_model(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray, *,
-                n_experts: int, top_k: int, batch: int = 4, progress=None):
+                n_experts: int, top_k: int, n_shared: int = 0, batch: int = 4, progress=None):
     """(cfg, params) of the MoEfied model: every "mlp" layer becomes a "moe" layer of
-    `n_experts` experts, `top_k` active, routed by a router fitted on `calib` windows
-    i32[n, T]. Attention and everything else is shared with the dense model."""
+    `n_experts` routed experts, `top_k` active, routed by a router fitted on `calib` windows
+    i32[n, T], plus a shared expert of `n_shared` neurons. Attention and everything else is
+    shared with the dense model."""
     if cfg.mlp_act != "silu" or any(ffn != "mlp" for _, ffn in cfg.kinds):
         raise ValueError("MoEfication needs a model whose every layer has a SwiGLU MLP")
+    if not 0 <= n_shared < cfg.d_ff or (cfg.d_ff - n_shared) % n_experts:
+        raise ValueError(f"{cfg.d_ff} MLP neurons less {n_shared} shared do not split into "
+                         f"{n_experts} experts")
     taps = np.concatenate([np.asarray(ffn_inputs(params, calib[i:i + batch], cfg))
                            for i in range(0, len(calib), batch)], axis=1)  # [L, n, T, D]
     taps = taps.reshape(taps.shape[0], -1, cfg.d_model)  # [L, tokens, D]
@@ -107,18 +115,23 @@ def moefy_model(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray,
         x = taps[i]
         mlp = p.ffn
         h = np.asarray(_hidden(jnp.asarray(x), mlp.w_gate, mlp.w_up))  # [tokens, F]
-        order = group_neurons(h, n_experts, seed=i)
-        experts = moe.moefy(mlp.w_gate, mlp.w_up, mlp.w_down, n_experts, order=order)
+        contribution = np.abs(h).mean(0) * np.linalg.norm(np.asarray(mlp.w_down, np.float32), axis=1)
+        shared = np.sort(np.argsort(-contribution, kind="stable")[:n_shared])
+        routed = np.setdiff1d(np.arange(cfg.d_ff), shared)
+        order = routed[group_neurons(h[:, routed], n_experts, seed=i)]
+        experts = moe.moefy(mlp.w_gate[:, order], mlp.w_up[:, order], mlp.w_down[order], n_experts)
         importance = np.asarray(_importance(jnp.asarray(h[:, order]), experts.w_down))
         router, bias = fit_router(x, importance)
+        keep = lambda w: w if n_shared else None
         ffn = moe.MoEParams(router=jnp.asarray(router), router_bias=jnp.asarray(bias),
-                            experts=experts, shared_gate=None, shared_up=None, shared_down=None,
+                            experts=experts, shared_gate=keep(mlp.w_gate[:, shared]),
+                            shared_up=keep(mlp.w_up[:, shared]), shared_down=keep(mlp.w_down[shared]),
                             shared_scale=None)
         new_layers.append(dataclasses.replace(p, ffn=ffn))
         if progress:
             progress(i + 1, len(params.layers))
-    moe_cfg = MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=cfg.d_ff // n_experts,
-                        router="select", router_bias=True)
+    moe_cfg = MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=(cfg.d_ff - n_shared) // n_experts,
+                        router="select", router_bias=True, d_shared=n_shared)
     new_cfg = dataclasses.replace(cfg, moe=moe_cfg, layer_types=tuple(
         f"{mixer}+moe" if mixer else "moe" for mixer, _ in cfg.kinds))
     return new_cfg, dataclasses.replace(params, layers=tuple(new_layers))

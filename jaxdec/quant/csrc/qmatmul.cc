@@ -1429,6 +1429,23 @@ ffi::Error DenseMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Resul
 }
 
 
+struct ExpertJob {
+  std::vector<Job> slots;  // one N-split job per slot
+  int64_t units;           // column units per slot
+  RangeFn fn;
+};
+
+// Items [u0, u1) of all slots' column units, slot after slot.
+void expert_range(const Job& J, int64_t u0, int64_t u1) {
+  const ExpertJob& X = *static_cast<const ExpertJob*>(J.ctx);
+  while (u0 < u1) {
+    const int64_t s = u0 / X.units, a = u0 % X.units;
+    const int64_t b = std::min(X.units, a + (u1 - u0));
+    X.fn(X.slots[s], a, b);
+    u0 += b - a;
+  }
+}
+
 // y[s] = x[s] @ w[idx[s]] for each slot s: x f32[S, M, K], w [E, K, N] float32 or bfloat16,
 // idx s32[S] (each in [0, E)), y f32[S, M, N].  The mixture-of-experts matmul of decoding:
 // a step reads only the experts its tokens chose, in place (no gathered copy of the weights).
@@ -1451,13 +1468,42 @@ ffi::Error ExpertMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buff
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
   const int64_t wbytes = K * N * elem_bytes(fmt);
   float* yp = y->typed_data();
-  thread_local std::vector<float> unused;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t e = ip[s];
-    if (e < 0 || e >= E) return ffi::Error::InvalidArgument("expert_matmul: expert index out of range");
-    matmul_2d(xp + s * M * K, wp + e * wbytes, nullptr, nullptr, yp + s * M * N, M, K, N, fmt, 0,
-              static_cast<int>(impl), unused);
+  for (int64_t s = 0; s < S; ++s)
+    if (ip[s] < 0 || ip[s] >= E) return ffi::Error::InvalidArgument("expert_matmul: expert index out of range");
+  const bool simd = impl != 1 && cpu_has_avx512();
+  const int amx_min_m = g_amx_min_m.load(std::memory_order_relaxed);
+  const bool amx = simd && fmt == kBF16 && amx_min_m > 0 && M >= amx_min_m && cpu_has_amx();
+  if (amx || (simd && M > g_panel_min_m.load(std::memory_order_relaxed)) || K == 0 || N == 0) {
+    thread_local std::vector<float> unused;  // many rows per slot: one matmul per slot
+    for (int64_t s = 0; s < S; ++s)
+      matmul_2d(xp + s * M * K, wp + ip[s] * wbytes, nullptr, nullptr, yp + s * M * N, M, K, N, fmt,
+                0, static_cast<int>(impl), unused);
+    return ffi::Error::Success();
   }
+  // Few rows (decoding): every slot's column units are items of one job on the pool, so the
+  // threads split all the chosen experts at once instead of synchronising once per slot.
+  ExpertJob X;
+  X.fn = simd ? avx512_range : scalar_range;
+  X.units = (N + 15) / 16;
+  X.slots.resize(static_cast<size_t>(S));
+  const int64_t g = std::min<int64_t>(std::max(1, g_dense_group.load(std::memory_order_relaxed)), K);
+  for (int64_t s = 0; s < S; ++s) {
+    Job& J = X.slots[s];
+    J.x = xp + s * M * K;
+    J.xsum = nullptr;
+    J.q = wp + ip[s] * wbytes;
+    J.scale = J.off = nullptr;
+    J.y = yp + s * M * N;
+    J.M = M, J.K = K, J.N = N, J.g = g, J.G = (K + g - 1) / g;
+    J.units = J.items = X.units;
+    J.slabs = 0;
+    J.part = nullptr;
+    J.fmt = fmt;
+  }
+  Job all = X.slots[0];
+  all.items = S * X.units;
+  all.ctx = &X;
+  run_job(all, expert_range, 4, 8, 4, S * wbytes * M);
   return ffi::Error::Success();
 }
 
