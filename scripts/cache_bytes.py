@@ -33,12 +33,12 @@ from jaxdec.sampling import Greedy
 
 
 def configs(width: int, layers: int) -> dict[str, ModelConfig]:
-    heads, head_dim = width // 128, 128
+    heads, head_dim = max(1, width // 128), 128
     base = dict(vocab_size=1024, d_model=width, n_layers=layers, n_heads=heads,
                 head_dim=head_dim, d_ff=2 * width)
     return {
         "MHA": ModelConfig(**base, n_kv_heads=heads),
-        "GQA": ModelConfig(**base, n_kv_heads=4),
+        "GQA": ModelConfig(**base, n_kv_heads=min(4, heads)),
         "MLA": ModelConfig(**base, n_kv_heads=heads, layer_types=("mla+mlp",) * layers,
                            mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128,
                                          qk_rope_head_dim=64, v_head_dim=128)),

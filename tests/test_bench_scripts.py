@@ -28,6 +28,17 @@ def test_bench_attention_smoke():
     assert "kernel / XLA speed-up" in r.stdout
 
 
+def test_cache_bytes_smoke():
+    """scripts/cache_bytes.py at a small width: the per-token table (Mamba grows by nothing)
+    and one decode step per mixer at two contexts, Mamba's cache the same size at both."""
+    r = subprocess.run([sys.executable, "scripts/cache_bytes.py", "--width", "256", "--contexts",
+                        "16,48", "--layers", "1", "--repeats", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    mamba = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("Mamba2")]
+    assert mamba[0][1] == "0" and mamba[1][1] == mamba[1][5]  # bytes/token; MiB at both contexts
+
+
 def test_bench_jaxdec_only(tmp_path):
     """`jaxdec bench` end to end for jaxdec alone (batch 1 and 2, 8 new tokens, no peers)."""
     out = tmp_path / "r.json"
