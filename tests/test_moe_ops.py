@@ -91,9 +91,8 @@ def test_grouped_routing_stays_in_the_best_groups():
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_every_dispatch_equals_per_token_reference_even_when_one_expert_takes_all(gated):
-    """float64 per-token reference for the three dispatches (grouped matmuls, gathered experts
-    read in place by the CPU kernel, every expert on every token); SwiGLU and squared-ReLU
-    experts. With every token routed to expert 0 (a skewed load a capacity-limited dispatch
+    """float64 per-token reference for both dispatches (grouped matmuls over the sorted pairs,
+    gathered experts read in place); SwiGLU and squared-ReLU experts. With every token routed to expert 0 (a skewed load a capacity-limited dispatch
     would drop) nothing is lost."""
     rng = np.random.default_rng(6)
     n, d, f, e, k = 12, 8, 6, 5, 2
@@ -114,9 +113,36 @@ def test_every_dispatch_equals_per_token_reference_even_when_one_expert_takes_al
                 else:
                     h = np.maximum(up, 0) ** 2
                 ref[i] += w[i, j] * h @ dn[ex]
-        for fn in (moe.experts_dropless, moe.experts_gathered, moe.experts_every):
+        for fn in (moe.experts_dropless, moe.experts_gathered):
             ours = np.asarray(jax.jit(fn)(x, jnp.asarray(idx, jnp.int32), w, p))
             np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5, err_msg=fn.__name__)
+
+
+def test_ragged_matmul_kernel_equals_grouped_reference():
+    """cpu_kernel.ragged_matmul against float64 per group: empty groups, one group taking
+    most rows, rows past the groups zero; f32 and bf16 weights; bad group sizes fail."""
+    from jaxdec.quant import cpu_kernel
+
+    rng = np.random.default_rng(10)
+    for sizes in ([0, 7, 0, 30, 3], [40, 0, 0, 0, 0], [1, 1, 1, 1, 1]):
+        r, k, n = 41, 96, 80
+        x = rng.standard_normal((r, k)).astype(np.float32)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            w = jnp.asarray(rng.standard_normal((5, k, n)).astype(np.float32), dtype)
+            w64 = np.asarray(w.astype(jnp.float32), np.float64)
+            x64 = x.astype(np.float64)
+            if dtype == jnp.bfloat16 and cpu_kernel.has_amx():  # AMX rounds rows to bf16 from 16
+                x64 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+            ref, row = np.zeros((r, n)), 0
+            for e, size in enumerate(sizes):
+                ref[row:row + size] = x64[row:row + size] @ w64[e]
+                row += size
+            ours = np.asarray(jax.jit(cpu_kernel.ragged_matmul)(x, w, np.array(sizes, np.int32)))
+            tol = 1e-4 if dtype == jnp.float32 else 2e-2
+            np.testing.assert_allclose(ours, ref, rtol=tol, atol=tol * np.abs(ref).max())
+    if cpu_kernel.available():
+        with pytest.raises(Exception, match="group sizes exceed the rows"):
+            np.asarray(jax.jit(cpu_kernel.ragged_matmul)(x, w, np.array([40, 40, 0, 0, 0], np.int32)))
 
 
 def test_expert_matmul_kernel_reads_the_chosen_experts():

@@ -10,10 +10,10 @@ without a gate (Nemotron-H: w_gate None), as the model's dense MLPs are.
 Dispatch (`experts`) picks by the static number of (token, expert) pairs N*k:
 - at most E pairs (decoding): each pair gathers its expert's weights, so a step reads only
   the k experts each token uses: fewer active experts, fewer bytes;
-- more: dropless grouped matmuls over the pairs sorted by expert (`jax.lax.ragged_dot`).
-  XLA:CPU lowers `ragged_dot` to a masked dense dot over all E experts for every pair
-  (E times the work), so on the CPU every expert runs once over every token instead, with
-  the weights of unrouted pairs zero: the same sums, E/k times less work than the lowering.
+- more: dropless grouped matmuls over the pairs sorted by expert (`cpu_kernel.ragged_matmul`:
+  `jax.lax.ragged_dot` on GPU and TPU; on the CPU a C++ kernel that runs each expert once
+  over its own rows, because XLA:CPU lowers `ragged_dot` to a masked dense dot of every
+  pair against every expert, E times the work).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _act(gate, up):
 def experts_dropless(x, idx, weights, p: Experts):
     """sum_j weights[n, j] * SwiGLU_{idx[n, j]}(x[n]) with no token dropped: the N*k
     (token, expert) pairs are sorted by expert and run as grouped matmuls
-    (`jax.lax.ragged_dot`), each expert over exactly the rows routed to it.
+    (`cpu_kernel.ragged_matmul`), each expert over exactly the rows routed to it.
     x [N, D]; idx i32[N, k]; weights [N, k] -> [N, D] in x.dtype."""
     n, k = idx.shape
     e = p.w_up.shape[0]
@@ -101,7 +101,7 @@ def experts_dropless(x, idx, weights, p: Experts):
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
-    grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
+    grouped = lambda a, w: cpu_kernel.ragged_matmul(a, w, sizes)
     h = _act(None if p.w_gate is None else grouped(xs, p.w_gate), grouped(xs, p.w_up))
     y = grouped(h.astype(x.dtype), p.w_down)
     y = y * weights.reshape(-1)[order][:, None].astype(jnp.float32)
@@ -121,27 +121,12 @@ def experts_gathered(x, idx, weights, p: Experts):
     return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
 
 
-def experts_every(x, idx, weights, p: Experts):
-    """`experts_dropless` computed as every expert over every token, the pairs not routed
-    weighted zero (the CPU's form for many pairs; see the module docstring)."""
-    f32 = jnp.float32
-    e = p.w_up.shape[0]
-    dense_w = jnp.zeros((x.shape[0], e), f32).at[jnp.arange(x.shape[0])[:, None], idx].add(
-        weights.astype(f32))
-    mm = lambda a, w, spec: jnp.einsum(spec, a.astype(f32), w.astype(f32))  # as in experts_gathered
-    h = _act(None if p.w_gate is None else mm(x, p.w_gate, "nd,edf->nef"), mm(x, p.w_up, "nd,edf->nef"))
-    y = mm(h.astype(x.dtype), p.w_down, "nef,efd->ned")
-    return jnp.einsum("ned,ne->nd", y, dense_w).astype(x.dtype)
-
-
 def experts(x, idx, weights, p: Experts):
     """sum_j weights[n, j] * expert_{idx[n, j]}(x[n]), every pair computed (dropless), by the
     dispatch that suits N*k (see the module docstring)."""
     n, k = idx.shape
     if n * k <= p.w_up.shape[0]:
         return experts_gathered(x, idx, weights, p)
-    if jax.default_backend() == "cpu":
-        return experts_every(x, idx, weights, p)
     return experts_dropless(x, idx, weights, p)
 
 

@@ -67,7 +67,8 @@ from jaxdec.quant.qarray import dequantize_rows
 
 __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
-    "dense_matmul_xla", "expert_matmul", "expert_matmul_xla", "attention", "set_threads", "set_spin_us", "set_adaptive",
+    "dense_matmul_xla", "expert_matmul", "expert_matmul_xla", "ragged_matmul", "ragged_matmul_xla",
+    "attention", "set_threads", "set_spin_us", "set_adaptive",
     "MAX_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T",
 ]
 
@@ -76,6 +77,7 @@ TARGET = "jaxdec_qmatmul"
 DENSE_TARGET = "jaxdec_dense_matmul"
 ATTENTION_TARGET = "jaxdec_attention"
 EXPERT_TARGET = "jaxdec_expert_matmul"
+RAGGED_TARGET = "jaxdec_ragged_matmul"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 
 # Rows of x (after folding leading dimensions) from which `qmatmul` uses the XLA path
@@ -207,6 +209,8 @@ def _load() -> dict:
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxdec_attention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(EXPERT_TARGET, jax.ffi.pycapsule(lib.jaxdec_expert_matmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(RAGGED_TARGET, jax.ffi.pycapsule(lib.jaxdec_ragged_matmul),
                                     platform="cpu")
     except Exception as e:  # noqa: BLE001 -- any failure means "not available"
         st["reason"] = f"could not load/register {path}: {type(e).__name__}: {e}"
@@ -356,11 +360,17 @@ def _dispatch(x, operands, n, max_m, kernel, xla):
     if M == 0 or M >= max_m or not available():
         return xla(x, *operands)
     x2 = x.astype(jnp.float32).reshape(M, K)
+    return _staged(kernel, xla, x2, *operands).reshape(*lead, n)
+
+
+def _staged(kernel, xla, *args):
+    """kernel(*args) when tracing for this CPU; with PORTABLE or another default backend,
+    both staged with `jax.lax.platform_dependent` (the kernel on CPU, xla elsewhere). Only
+    the kernel is traced otherwise: tracing the unused XLA branch too cost ~1 s of every CLI
+    start-up."""
     if PORTABLE or jax.default_backend() != "cpu":
-        y = jax.lax.platform_dependent(x2, *operands, cpu=kernel, default=xla)
-    else:  # tracing the unused XLA branch too cost ~1 s of every CLI start-up
-        y = kernel(x2, *operands)
-    return y.reshape(*lead, n)
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=xla)
+    return kernel(*args)
 
 
 def _ffi(x2, q, scale, offset, *, bits, group_size, impl):
@@ -449,11 +459,19 @@ def expert_matmul_xla(x, w, idx) -> jax.Array:
     return jnp.einsum("smk,skn->smn", x.astype(jnp.float32), w[idx].astype(jnp.float32))
 
 
-def _expert_ffi(x, w, idx, *, impl):
-    s, m, _ = x.shape
-    call = jax.ffi.ffi_call(EXPERT_TARGET, jax.ShapeDtypeStruct((s, m, w.shape[2]), jnp.float32),
-                            vmap_method="sequential")
-    return call(x, w, idx, dtype=np.int64(_DENSE_DTYPES[jnp.dtype(w.dtype)]), impl=np.int64(impl))
+def _expert_kernel(target: str, xla, x, w, ints, out_shape, impl: str | None) -> jax.Array:
+    """The expert kernels' shared tail: `target`(x, w, ints) -> f32[out_shape] on CPU,
+    `xla(x, w, ints)` where the kernel cannot run (other backends, other weight dtypes)."""
+    if not available() or jnp.dtype(w.dtype) not in _DENSE_DTYPES or x.size == 0:
+        return xla(x, w, ints)
+
+    def kernel(x, w, ints):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32),
+                                vmap_method="sequential")
+        return call(x, w, ints, dtype=np.int64(_DENSE_DTYPES[jnp.dtype(w.dtype)]),
+                    impl=np.int64(_impl_code(impl)))
+
+    return _staged(kernel, xla, x.astype(jnp.float32), w, ints)
 
 
 def expert_matmul(x, w, idx, *, impl: str | None = None) -> jax.Array:
@@ -465,13 +483,28 @@ def expert_matmul(x, w, idx, *, impl: str | None = None) -> jax.Array:
     if x.ndim != 3 or w.ndim != 3 or idx.shape != x.shape[:1] or x.shape[2] != w.shape[1]:
         raise ValueError(f"expert_matmul: x {x.shape}, w {w.shape}, idx {idx.shape} do not make "
                          "x[S, M, K] @ w[idx[S], K, N]")
-    if not available() or jnp.dtype(w.dtype) not in _DENSE_DTYPES or x.size == 0:
-        return expert_matmul_xla(x, w, idx)
-    kernel = functools.partial(_expert_ffi, impl=_impl_code(impl))
-    x32 = x.astype(jnp.float32)
-    if PORTABLE or jax.default_backend() != "cpu":
-        return jax.lax.platform_dependent(x32, w, idx, cpu=kernel, default=expert_matmul_xla)
-    return kernel(x32, w, idx)
+    return _expert_kernel(EXPERT_TARGET, expert_matmul_xla, x, w, idx,
+                          (*x.shape[:2], w.shape[2]), impl)
+
+
+def ragged_matmul_xla(x, w, group_sizes) -> jax.Array:
+    """``jax.lax.ragged_dot`` accumulated in f32 (grouped matmuls on GPU and TPU)."""
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+def ragged_matmul(x, w, group_sizes, *, impl: str | None = None) -> jax.Array:
+    """y f32[R, N]: x [R, K] holds each expert's rows in turn (group_sizes i32[E] of them),
+    w [E, K, N] float32 or bfloat16; each group of rows times its expert, rows past the
+    groups zero (`jax.lax.ragged_dot`'s contract). On CPU the C++ kernel runs each expert
+    once over exactly its rows; XLA:CPU's own lowering of ragged_dot multiplies every row by
+    every expert and masks. Elsewhere `ragged_matmul_xla`."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    if x.ndim != 2 or w.ndim != 3 or sizes.shape != w.shape[:1] or x.shape[1] != w.shape[1]:
+        raise ValueError(f"ragged_matmul: x {x.shape}, w {w.shape}, group_sizes {sizes.shape} do not "
+                         "make x[R, K] grouped by w[E, K, N]")
+    return _expert_kernel(RAGGED_TARGET, ragged_matmul_xla, x, w, sizes, (x.shape[0], w.shape[2]),
+                          impl)
 
 
 def _attention_ffi(q, *flat, scale: float, impl: int):

@@ -1507,6 +1507,47 @@ ffi::Error ExpertMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buff
   return ffi::Error::Success();
 }
 
+// Grouped matmul: x f32[R, K] holds the rows of each expert in turn (group_sizes s32[E] of
+// them, summing to at most R), w [E, K, N] float32 or bfloat16; y f32[R, N] = each group's
+// rows times its expert, rows past the groups zero.  The dropless MoE matmul of prefill: every
+// expert runs once over exactly the rows routed to it (what jax.lax.ragged_dot means, which
+// XLA:CPU lowers to a masked dense dot over every expert for every row).
+ffi::Error RaggedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> sizes,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t dtype, int64_t impl) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = sizes.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_matmul: x [R, K], w [E, K, N], group_sizes [E]");
+  const int64_t R = xd[0], K = xd[1], E = wd[0], N = wd[2];
+  if (wd[1] != K || sd[0] != E || yd[0] != R || yd[1] != N)
+    return ffi::Error::InvalidArgument("ragged_matmul: shape mismatch");
+  Fmt fmt;
+  if (!dense_format(w, dtype, &fmt))
+    return ffi::Error::InvalidArgument("ragged_matmul: w must be float32 (dtype=0) or bfloat16 (dtype=1)");
+  const int32_t* gp = sizes.typed_data();
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (gp[e] < 0) return ffi::Error::InvalidArgument("ragged_matmul: negative group size");
+    total += gp[e];
+  }
+  if (total > R) return ffi::Error::InvalidArgument("ragged_matmul: group sizes exceed the rows");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.untyped_data());
+  const int64_t wbytes = K * N * elem_bytes(fmt);
+  float* yp = y->typed_data();
+  thread_local std::vector<float> unused;
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    matmul_2d(xp + row * K, wp + e * wbytes, nullptr, nullptr, yp + row * N, gp[e], K, N, fmt, 0,
+              static_cast<int>(impl), unused);
+    row += gp[e];
+  }
+  std::fill(yp + row * N, yp + R * N, 0.f);
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode attention over the KV cache
 // ---------------------------------------------------------------------------------------------
@@ -1900,6 +1941,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_expert_matmul, ExpertMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // w [E, K, N] (f32 or bf16)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // idx [S]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [S, M, N]
+                                  .Attr<int64_t>("dtype")
+                                  .Attr<int64_t>("impl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_ragged_matmul, RaggedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [R, K]
+                                  .Arg<ffi::AnyBuffer>()         // w [E, K, N] (f32 or bf16)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [R, N]
                                   .Attr<int64_t>("dtype")
                                   .Attr<int64_t>("impl"));
 
