@@ -83,13 +83,14 @@ def test_prefill_and_absorbed_decode_match_hf(q_lora_rank, rope, interleave):
     c, k_rope = mla.latents(p, x, pos, cfg)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((11, 11), bool)), (2, 11, 11))
     for absorbed in (False, True):
-        out = mla.attend(p, q_nope, q_rope, c, k_rope, causal, cfg, absorbed=absorbed)
+        out = mla.attend(p, q_nope, q_rope, [(c, k_rope, causal)], cfg, absorbed=absorbed)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * scale)
     # decode: each new token attends to the cached latents of all earlier ones (absorbed form)
     for i in range(7, 11):
         qn, qr = mla.queries(p, x[:, i:i + 1], pos[:, i:i + 1], cfg)
-        out = mla.attend(p, qn, qr, c[:, :i + 1], k_rope[:, :i + 1], jnp.ones((2, 1, i + 1), bool), cfg,
-                         absorbed=True)
+        out = mla.attend(p, qn, qr, [(c[:, :i], k_rope[:, :i], jnp.ones((2, 1, i), bool)),
+                                     (c[:, i:i + 1], k_rope[:, i:i + 1], jnp.ones((2, 1, 1), bool))],
+                         cfg, absorbed=True)
         np.testing.assert_allclose(np.asarray(out)[:, 0], ref[:, i], rtol=1e-4, atol=1e-4 * scale)
 
 

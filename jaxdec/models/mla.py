@@ -20,6 +20,7 @@ RoPE uses the model's scaling (YaRN in DeepSeek's configs), on interleaved rotar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -83,26 +84,35 @@ def latents(p: MLAParams, x, positions, cfg: ModelConfig):
     return c, _rope(k_rope[:, :, None, :], positions, cfg)[:, :, 0, :]
 
 
-def attend(p: MLAParams, q_nope, q_rope, c, k_rope, mask, cfg: ModelConfig, *, absorbed: bool):
-    """Attention of the queries over latents c [B, S, R], k_rope [B, S, rope] with
-    mask bool[B, T, S] -> [B, T, D] (after the output projection)."""
+def attend(p: MLAParams, q_nope, q_rope, blocks, cfg: ModelConfig, *, absorbed: bool):
+    """Attention of the queries over one or more blocks of latents sharing one softmax ->
+    [B, T, D] (after the output projection). Each block is (c [B, S_i, R], k_rope [B, S_i,
+    rope], mask bool[B, T, S_i]): decoding passes the cache as it was and the chunk's own
+    latents, so the cache is read where it lies and only the loop carry updates it."""
     w_uk, w_uv = jnp.split(p.kv_b, [cfg.mla.qk_nope_head_dim], axis=-1)  # [R, N, nope], [R, N, v]
     f32 = jnp.float32
-    rope_scores = jnp.einsum("btnr,bsr->bnts", q_rope, k_rope, preferred_element_type=f32)
     if absorbed:
         q_lat = jnp.einsum("btnk,rnk->btnr", q_nope, w_uk, preferred_element_type=f32)
-        scores = jnp.einsum("btnr,bsr->bnts", q_lat.astype(c.dtype), c, preferred_element_type=f32)
-    else:
-        k_nope = jnp.einsum("bsr,rnk->bsnk", c, w_uk)
-        scores = jnp.einsum("btnk,bsnk->bnts", q_nope, k_nope, preferred_element_type=f32)
-    scores = jnp.where(mask[:, None], (scores + rope_scores) * softmax_scale(cfg), layers.NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    if absorbed:
-        out_lat = jnp.einsum("bnts,bsr->btnr", probs.astype(c.dtype), c, preferred_element_type=f32)
-        out = jnp.einsum("btnr,rnv->btnv", out_lat.astype(c.dtype), w_uv, preferred_element_type=f32)
-    else:
-        v = jnp.einsum("bsr,rnv->bsnv", c, w_uv)
-        out = jnp.einsum("bnts,bsnv->btnv", probs.astype(v.dtype), v, preferred_element_type=f32)
+
+    def block_scores(c, k_rope, mask):
+        s = jnp.einsum("btnr,bsr->bnts", q_rope, k_rope, preferred_element_type=f32)
+        if absorbed:
+            s += jnp.einsum("btnr,bsr->bnts", q_lat.astype(c.dtype), c, preferred_element_type=f32)
+        else:
+            s += jnp.einsum("btnk,bsnk->bnts", q_nope, jnp.einsum("bsr,rnk->bsnk", c, w_uk),
+                            preferred_element_type=f32)
+        return jnp.where(mask[:, None], s * softmax_scale(cfg), layers.NEG_INF)
+
+    probs = jax.nn.softmax(jnp.concatenate([block_scores(*blk) for blk in blocks], axis=-1), axis=-1)
+    splits = list(itertools.accumulate(c.shape[1] for c, _, _ in blocks))[:-1]
+    out = 0.0
+    for pb, (c, _, _) in zip(jnp.split(probs, splits, axis=-1), blocks):
+        if absorbed:
+            out_lat = jnp.einsum("bnts,bsr->btnr", pb.astype(c.dtype), c, preferred_element_type=f32)
+            out += jnp.einsum("btnr,rnv->btnv", out_lat.astype(c.dtype), w_uv, preferred_element_type=f32)
+        else:
+            v = jnp.einsum("bsr,rnv->bsnv", c, w_uv)
+            out += jnp.einsum("bnts,bsnv->btnv", pb.astype(v.dtype), v, preferred_element_type=f32)
     return layers.linear(out.astype(q_nope.dtype), p.o, n_in=2)
 
 
@@ -132,9 +142,8 @@ def block(x, p: MLAParams, positions, entry: dense.LatentLayer | None, past, cfg
     c, k_rope = latents(p, x, positions, cfg)
     mask = dense.chunk_mask(positions)
     absorbed = x.shape[1] <= MAX_ABSORBED_T
+    chunk = (c, k_rope, mask)
     if entry is None:
-        return attend(p, q_nope, q_rope, c, k_rope, mask, cfg, absorbed=absorbed), None
-    out = attend(p, q_nope, q_rope, jnp.concatenate([entry.c, c.astype(entry.c.dtype)], axis=1),
-                 jnp.concatenate([entry.k_rope, k_rope.astype(entry.k_rope.dtype)], axis=1),
-                 jnp.concatenate([past, mask], axis=2), cfg, absorbed=absorbed)
+        return attend(p, q_nope, q_rope, [chunk], cfg, absorbed=absorbed), None
+    out = attend(p, q_nope, q_rope, [(entry.c, entry.k_rope, past), chunk], cfg, absorbed=absorbed)
     return out, dense.write_latent(entry, c, k_rope, positions)
