@@ -208,6 +208,11 @@ def test_inconsistent_configs(tmp_path):
     d = _copy("qwen3_moe", tmp_path / "q")
     _edit_config(d, num_experts_per_tok=9)
     _one_line_error(d, "top_k=9 experts per token is not in 1..8")
+    _edit_config(d, num_experts_per_tok=None)
+    _one_line_error(d, "config.json: missing field 'num_experts_per_tok'")
+    d = _copy("deepseek_v3", tmp_path / "d")
+    _edit_config(d, kv_lora_rank=None)
+    _one_line_error(d, "config.json: missing field 'kv_lora_rank'")
     with pytest.raises(ValueError, match="layer 1 is 'mla' but the config has no mla settings"):
         ModelConfig(vocab_size=9, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=4,
                     d_ff=8, layer_types=("attention+mlp", "mla"))

@@ -33,6 +33,9 @@ SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3For
 # Buffers some checkpoints carry that are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Nemotron-H's hybrid_override_pattern letters, and its v5 layers_block_type names.
+# The field that counts a family's routed experts (transformers v5 also accepts the others).
+_EXPERT_COUNT = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts",
+                 "qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
 _NEMOTRON_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _NEMOTRON_TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
                    "attention": "attention", "mlp": "mlp", "moe": "moe"}
@@ -134,7 +137,16 @@ def _family_fields(config: dict[str, Any], arch: str, d: int, n_layers: int,
                    path: pathlib.Path) -> dict[str, Any]:
     """The ModelConfig fields that set the family apart from a plain Llama."""
     g = config.get
+
+    def need(name: str):
+        """A field the family cannot do without (a missing or null one names itself)."""
+        if config.get(name) is None:
+            raise KeyError(name)
+        return config[name]
+
     n_experts = g("num_experts") or g("num_local_experts") or g("n_routed_experts")
+    if n_experts is None and arch in _EXPERT_COUNT:
+        raise KeyError(_EXPERT_COUNT[arch])
     if arch == "llama":
         return {}
     if arch == "qwen2":
@@ -142,39 +154,39 @@ def _family_fields(config: dict[str, Any], arch: str, d: int, n_layers: int,
     if arch == "qwen3":
         return dict(qk_norm=True)
     if arch == "mixtral":
-        moe = MoEConfig(n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
-                        d_expert=int(g("intermediate_size")), router="softmax", normalize=True)
+        moe = MoEConfig(n_experts=int(n_experts), top_k=int(need("num_experts_per_tok")),
+                        d_expert=int(need("intermediate_size")), router="softmax", normalize=True)
         return dict(moe=moe, layer_types=("attention+moe",) * n_layers)
     if arch in ("qwen2_moe", "qwen3_moe"):
         shared = int(g("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
-        moe = MoEConfig(n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
-                        d_expert=int(g("moe_intermediate_size")), router="softmax",
+        moe = MoEConfig(n_experts=int(n_experts), top_k=int(need("num_experts_per_tok")),
+                        d_expert=int(need("moe_intermediate_size")), router="softmax",
                         normalize=bool(g("norm_topk_prob", False)), d_shared=shared,
                         shared_gate=shared > 0)
         return dict(moe=moe, layer_types=_moe_layers(config, n_layers, "attention"),
                     qkv_bias=arch == "qwen2_moe", qk_norm=arch == "qwen3_moe")
     if arch == "deepseek_v3":
         q_lora = g("q_lora_rank")
-        mla = MLAConfig(kv_lora_rank=int(g("kv_lora_rank")), qk_nope_head_dim=int(g("qk_nope_head_dim")),
-                        qk_rope_head_dim=int(g("qk_rope_head_dim")), v_head_dim=int(g("v_head_dim")),
+        mla = MLAConfig(kv_lora_rank=int(need("kv_lora_rank")), qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                        qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")),
                         q_lora_rank=int(q_lora) if q_lora else None,
                         rope_interleave=bool(g("rope_interleave", True)))
-        moe = MoEConfig(n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
-                        d_expert=int(g("moe_intermediate_size")), router="sigmoid",
+        moe = MoEConfig(n_experts=int(n_experts), top_k=int(need("num_experts_per_tok")),
+                        d_expert=int(need("moe_intermediate_size")), router="sigmoid",
                         normalize=bool(g("norm_topk_prob", True)),
                         scale=float(g("routed_scaling_factor", 1.0)), n_group=int(g("n_group") or 1),
                         topk_group=int(g("topk_group") or 1), router_bias=True,
-                        d_shared=int(g("moe_intermediate_size")) * int(g("n_shared_experts") or 0))
+                        d_shared=int(need("moe_intermediate_size")) * int(g("n_shared_experts") or 0))
         first_dense = int(g("first_k_dense_replace") or 0)
         types = tuple("mla+mlp" if i < first_dense else "mla+moe" for i in range(n_layers))
         return dict(mla=mla, moe=moe, layer_types=types, head_dim=mla.qk_head_dim,
-                    n_kv_heads=int(g("num_attention_heads")))
+                    n_kv_heads=int(need("num_attention_heads")))
     # Mamba2 and Nemotron-H
     prefix = "mamba_" if arch == "nemotron_h" else ""
     limit = g("time_step_limit") or (0.0, math.inf)
-    mamba = MambaConfig(n_heads=int(g(prefix + "num_heads")), head_dim=int(g(prefix + "head_dim")),
+    mamba = MambaConfig(n_heads=int(need(prefix + "num_heads")), head_dim=int(need(prefix + "head_dim")),
                         n_groups=int(g("n_groups") or 1),
-                        d_state=int(g("ssm_state_size" if arch == "nemotron_h" else "state_size")),
+                        d_state=int(need("ssm_state_size" if arch == "nemotron_h" else "state_size")),
                         d_conv=int(g("conv_kernel") or 4), chunk=int(g("chunk_size") or 256),
                         dt_min=_float(limit[0]), dt_max=_float(limit[1]))
     inner = int(g("expand") or 2) * d
@@ -201,8 +213,8 @@ def _family_fields(config: dict[str, Any], arch: str, d: int, n_layers: int,
                   norm_eps=_float(g("layer_norm_epsilon", 1e-5)))
     if "moe" in types:
         fields["moe"] = MoEConfig(
-            n_experts=int(n_experts), top_k=int(g("num_experts_per_tok")),
-            d_expert=int(g("moe_intermediate_size")), router="sigmoid",
+            n_experts=int(need("n_routed_experts")), top_k=int(need("num_experts_per_tok")),
+            d_expert=int(need("moe_intermediate_size")), router="sigmoid",
             normalize=bool(g("norm_topk_prob", True)), scale=float(g("routed_scaling_factor", 1.0)),
             n_group=int(g("n_group") or 1), topk_group=int(g("topk_group") or 1), router_bias=True,
             d_shared=int(g("moe_shared_expert_intermediate_size") or 0))
