@@ -149,6 +149,12 @@ class MambaConfig:
     def conv_dim(self) -> int:
         return self.d_inner + 2 * self.n_groups * self.d_state
 
+    def state_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
+        """One layer's decode state per row, the same at any length: the conv window (in the
+        activation dtype) and the SSM state (float32)."""
+        return {"conv": (batch, self.d_conv - 1, self.conv_dim),
+                "ssm": (batch, self.n_heads, self.head_dim, self.d_state)}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:

@@ -103,8 +103,10 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float
     """Rotate-half (NEOX/HF) rotary embedding. x: [B, T, n, H]; positions: i32[B, T];
     `factor` scales cos and sin (YaRN's attention factor)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    cos = (jnp.cos(angles) * factor)[:, :, None, :].astype(x.dtype)
-    sin = (jnp.sin(angles) * factor)[:, :, None, :].astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -113,9 +115,13 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
     """SwiGLU: down(silu(x @ gate) * (x @ up)); without a gate (`w_gate` None) the squared
     ReLU MLP down(relu(x @ up)^2) of Nemotron-H. x: [..., D]."""
     with jax.named_scope("mlp"):
-        up = linear(x, w_up)
-        h = jax.nn.silu(linear(x, w_gate)) * up if w_gate is not None else jnp.square(jax.nn.relu(up))
-        return linear(h, w_down)
+        return linear(mlp_act(None if w_gate is None else linear(x, w_gate), linear(x, w_up)), w_down)
+
+
+def mlp_act(gate, up):
+    """The MLP's hidden activations from its two projections: silu(gate) * up (SwiGLU), or
+    relu(up)^2 without a gate (Nemotron-H). Dense MLPs and MoE experts share it."""
+    return jax.nn.silu(gate) * up if gate is not None else jnp.square(jax.nn.relu(up))
 
 
 def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
@@ -142,9 +148,16 @@ def attention_reference(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.A
     scores = [jnp.where(mask[:, None, None, :, :],
                         jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32),
                         NEG_INF) for k, _, mask in blocks]
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    splits = np.cumsum([k.shape[2] for k, _, _ in blocks])[:-1].tolist()
     out = sum(jnp.einsum("bkgts,bkhs->btkgh", p.astype(v.dtype), v,
                          preferred_element_type=jnp.float32)
-              for p, (_, v, _) in zip(jnp.split(probs, splits, axis=-1), blocks))
+              for p, (_, v, _) in zip(block_softmax(scores), blocks))
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def block_softmax(scores: list[jax.Array]) -> list[jax.Array]:
+    """One softmax over the last axis of several key blocks' scores (f32, masked entries
+    NEG_INF), split back into per-block probabilities: attention over a cache and a chunk
+    that are never concatenated."""
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    splits = np.cumsum([s.shape[-1] for s in scores])[:-1].tolist()
+    return jnp.split(probs, splits, axis=-1)

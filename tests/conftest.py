@@ -12,6 +12,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REAL_MODELS = ["smollm2", "qwen2.5-coder-0.5b"]
 
 
+def assert_one_line_error(fn, *args, match: str, **kwargs):
+    """fn(*args, **kwargs) raises a JaxdecError matching `match`, on one non-empty line."""
+    from jaxdec.errors import JaxdecError
+
+    with pytest.raises(JaxdecError, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value) and str(info.value).strip()
+
+
 @functools.lru_cache(maxsize=None)
 def jax_model(name: str, dtype: str = "float32"):
     import jaxdec

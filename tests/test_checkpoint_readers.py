@@ -32,6 +32,7 @@ from jaxdec.checkpoint import registry
 from jaxdec.checkpoint.gguf_reader import read_gguf
 from jaxdec.checkpoint.hf_reader import read_hf_dir
 from jaxdec.errors import JaxdecError
+from conftest import assert_one_line_error
 from hf_jobs import HfJob
 
 MODELS = ("smollm2", "qwen2.5-coder-0.5b")
@@ -218,11 +219,6 @@ def test_hf_dir_random_model(variant, tmp_path):
 
 
 # ---- errors ---------------------------------------------------------------------------------------
-def _assert_one_line_error(fn, *args, match: str):
-    with pytest.raises(JaxdecError, match=match) as info:
-        fn(*args)
-    assert "\n" not in str(info.value) and str(info.value).strip()
-
 
 _D, _F, _V, _N, _K = 256, 512, 300, 4, 2  # K-quants need rows of 256
 
@@ -286,18 +282,18 @@ def _tiny_gguf(path, *, arch="llama", tok_model="gpt2", drop=(), types=None, the
 
 
 def test_error_missing_paths(tmp_path):
-    _assert_one_line_error(read_gguf, tmp_path / "nope.gguf", match="no such file")
-    _assert_one_line_error(read_hf_dir, tmp_path / "nope", match="no such directory")
-    _assert_one_line_error(read_hf_dir, tmp_path, match="no config.json")
+    assert_one_line_error(read_gguf, tmp_path / "nope.gguf", match="no such file")
+    assert_one_line_error(read_hf_dir, tmp_path / "nope", match="no such directory")
+    assert_one_line_error(read_hf_dir, tmp_path, match="no config.json")
 
 
 def test_error_garbage_and_empty_files(tmp_path):
     (tmp_path / "empty.gguf").write_bytes(b"")
-    _assert_one_line_error(read_gguf, tmp_path / "empty.gguf", match="not a GGUF file")
+    assert_one_line_error(read_gguf, tmp_path / "empty.gguf", match="not a GGUF file")
     (tmp_path / "garbage.gguf").write_bytes(os.urandom(4096))
-    _assert_one_line_error(read_gguf, tmp_path / "garbage.gguf", match="not a GGUF file")
+    assert_one_line_error(read_gguf, tmp_path / "garbage.gguf", match="not a GGUF file")
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + os.urandom(4096))
-    _assert_one_line_error(read_gguf, tmp_path / "bad.gguf", match="GGUF")
+    assert_one_line_error(read_gguf, tmp_path / "bad.gguf", match="GGUF")
 
 
 def test_error_truncated_real_gguf(tmp_path):
@@ -310,28 +306,28 @@ def test_error_truncated_real_gguf(tmp_path):
     # inside the header, inside the vocabulary, inside the tensor data, one byte short
     for size in (20, 100_000, len(data) // 2, len(data) - 1):
         cut.write_bytes(data[:size])
-        _assert_one_line_error(read_gguf, cut, match="truncated")
+        assert_one_line_error(read_gguf, cut, match="truncated")
 
 
 def test_error_unsupported_architecture(tmp_path):
-    _assert_one_line_error(read_gguf, _tiny_gguf(tmp_path / "g.gguf", arch="gemma"),
+    assert_one_line_error(read_gguf, _tiny_gguf(tmp_path / "g.gguf", arch="gemma"),
                            match="unsupported architecture 'gemma'")
 
 
 def test_error_unsupported_tokenizer_model(tmp_path):
-    _assert_one_line_error(read_gguf, _tiny_gguf(tmp_path / "t.gguf", tok_model="llama"),
+    assert_one_line_error(read_gguf, _tiny_gguf(tmp_path / "t.gguf", tok_model="llama"),
                            match="tokenizer model 'llama'")
 
 
 def test_error_unsupported_tensor_type(tmp_path):
     path = _tiny_gguf(tmp_path / "q.gguf",
                       types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.IQ4_NL})
-    _assert_one_line_error(read_gguf, path, match="'blk.1.ffn_up.weight' has unsupported type IQ4_NL")
+    assert_one_line_error(read_gguf, path, match="'blk.1.ffn_up.weight' has unsupported type IQ4_NL")
 
 
 def test_error_missing_gguf_tensors(tmp_path):
     path = _tiny_gguf(tmp_path / "m.gguf", drop=("blk.1.ffn_up.weight", "output_norm.weight"))
-    _assert_one_line_error(read_gguf, path, match="missing 2 tensor")
+    assert_one_line_error(read_gguf, path, match="missing 2 tensor")
 
 
 # One tensor per supported stored type (q/k stay F32: their rows are permuted).
@@ -406,31 +402,31 @@ def _tiny_hf_dir(tmp_path):
 
 def test_error_hf_dir(tmp_path):
     d = _tiny_hf_dir(tmp_path)
-    _assert_one_line_error(read_hf_dir, d, match="no tokenizer.json")
+    assert_one_line_error(read_hf_dir, d, match="no tokenizer.json")
     (d / "tokenizer.json").write_text("{not json")
-    _assert_one_line_error(read_hf_dir, d, match="tokenizer.json: cannot parse")
+    assert_one_line_error(read_hf_dir, d, match="tokenizer.json: cannot parse")
     for f in (_JOBS["smollm2"].wait() / "hf_tokenizer").iterdir():
         shutil.copy(f, d / f.name)
     cfg = json.loads((d / "config.json").read_text())
 
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
-    _assert_one_line_error(read_hf_dir, d, match="unsupported architecture 'GPT2LMHeadModel'")
+    assert_one_line_error(read_hf_dir, d, match="unsupported architecture 'GPT2LMHeadModel'")
     (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
-    _assert_one_line_error(read_hf_dir, d, match="attention_bias")
+    assert_one_line_error(read_hf_dir, d, match="attention_bias")
     (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "dynamic"}}))
-    _assert_one_line_error(read_hf_dir, d, match="unsupported RoPE scaling type 'dynamic'")
+    assert_one_line_error(read_hf_dir, d, match="unsupported RoPE scaling type 'dynamic'")
     (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn"}}))
-    _assert_one_line_error(read_hf_dir, d, match="config.json: missing field 'factor'")
+    assert_one_line_error(read_hf_dir, d, match="config.json: missing field 'factor'")
     (d / "config.json").write_text(json.dumps(cfg))
 
     from safetensors.numpy import load_file, save_file
     tensors = load_file(d / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, d / "model.safetensors")
-    _assert_one_line_error(read_hf_dir, d, match="missing 1 tensor.*model.norm.weight")
+    assert_one_line_error(read_hf_dir, d, match="missing 1 tensor.*model.norm.weight")
     (d / "model.safetensors").write_bytes(os.urandom(1000))
-    _assert_one_line_error(read_hf_dir, d, match="cannot read safetensors")
+    assert_one_line_error(read_hf_dir, d, match="cannot read safetensors")
     (d / "model.safetensors").unlink()
-    _assert_one_line_error(read_hf_dir, d, match="no \\*.safetensors")
+    assert_one_line_error(read_hf_dir, d, match="no \\*.safetensors")
 
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b"])

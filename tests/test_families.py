@@ -21,10 +21,10 @@ import jaxdec  # noqa: E402
 from jaxdec import api, decode, pytree  # noqa: E402
 from jaxdec.cache import dense  # noqa: E402
 from jaxdec.config import MambaConfig, MLAConfig, ModelConfig, MoEConfig, RopeScaling  # noqa: E402
-from jaxdec.errors import JaxdecError  # noqa: E402
 from jaxdec.models import transformer  # noqa: E402
 
 import tiny_families as tf  # noqa: E402
+from conftest import assert_one_line_error  # noqa: E402
 from tiny_hf import rel_err  # noqa: E402
 
 FAMILIES = sorted(tf.FAMILIES)
@@ -157,9 +157,7 @@ def _copy(name: str, dst: pathlib.Path) -> pathlib.Path:
 
 
 def _one_line_error(path, match: str):
-    with pytest.raises(JaxdecError, match=match) as info:
-        jaxdec.load(str(path))
-    assert "\n" not in str(info.value)
+    assert_one_line_error(jaxdec.load, str(path), match=match)
 
 
 def _edit_config(path: pathlib.Path, **changes):

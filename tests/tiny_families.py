@@ -9,6 +9,8 @@ import numpy as np
 import torch
 import transformers as T
 
+from tiny_hf import hf_logits  # noqa: F401  (re-exported: one HF forward for every tiny model)
+
 VOCAB = 128
 
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -79,11 +81,6 @@ def save(name: str, path: pathlib.Path, seed: int = 0):
     model.save_pretrained(path)
     word_tokenizer(path)
     return model
-
-
-def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens)).logits.float().numpy()
 
 
 def hf_greedy(model, prompt: np.ndarray, n: int) -> np.ndarray:

@@ -92,9 +92,8 @@ def entry_shapes(cfg: ModelConfig, mixer: str | None, batch: int, max_len: int, 
         return LatentLayer, {"c": ((batch, s, m.kv_lora_rank), dtype),
                              "k_rope": ((batch, s, m.qk_rope_head_dim), dtype)}
     if mixer == "mamba":
-        m = cfg.mamba
-        return StateLayer, {"conv": ((batch, m.d_conv - 1, m.conv_dim), dtype),
-                            "ssm": ((batch, m.n_heads, m.head_dim, m.d_state), jnp.float32)}
+        shapes = cfg.mamba.state_shapes(batch)
+        return StateLayer, {"conv": (shapes["conv"], dtype), "ssm": (shapes["ssm"], jnp.float32)}
     return None, {}
 
 

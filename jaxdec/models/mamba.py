@@ -152,8 +152,8 @@ def declare(cfg: ModelConfig) -> MixerParams:
 def init_state(cfg: MambaConfig, batch: int, dtype=jnp.float32):
     """(conv_state [B, d_conv-1, conv_dim], ssm_state f32[B, n_heads, head_dim, d_state]):
     the per-row decode state of one Mamba layer, the same size at any sequence length."""
-    return (jnp.zeros((batch, cfg.d_conv - 1, cfg.conv_dim), dtype),
-            jnp.zeros((batch, cfg.n_heads, cfg.head_dim, cfg.d_state), jnp.float32))
+    shapes = cfg.state_shapes(batch)
+    return jnp.zeros(shapes["conv"], dtype), jnp.zeros(shapes["ssm"], jnp.float32)
 
 
 def block(x, p: MixerParams, positions, entry: dense.StateLayer | None, cfg: ModelConfig):

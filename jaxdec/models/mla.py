@@ -20,7 +20,6 @@ RoPE uses the model's scaling (YaRN in DeepSeek's configs), on interleaved rotar
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -103,10 +102,9 @@ def attend(p: MLAParams, q_nope, q_rope, blocks, cfg: ModelConfig, *, absorbed: 
                             preferred_element_type=f32)
         return jnp.where(mask[:, None], s * softmax_scale(cfg), layers.NEG_INF)
 
-    probs = jax.nn.softmax(jnp.concatenate([block_scores(*blk) for blk in blocks], axis=-1), axis=-1)
-    splits = list(itertools.accumulate(c.shape[1] for c, _, _ in blocks))[:-1]
+    probs = layers.block_softmax([block_scores(*blk) for blk in blocks])
     out = 0.0
-    for pb, (c, _, _) in zip(jnp.split(probs, splits, axis=-1), blocks):
+    for pb, (c, _, _) in zip(probs, blocks):
         if absorbed:
             out_lat = jnp.einsum("bnts,bsr->btnr", pb.astype(c.dtype), c, preferred_element_type=f32)
             out += jnp.einsum("btnr,rnv->btnv", out_lat.astype(c.dtype), w_uv, preferred_element_type=f32)

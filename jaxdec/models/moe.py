@@ -85,10 +85,6 @@ class Experts:
     w_down: jax.Array  # [E, F, D]
 
 
-def _act(gate, up):
-    return jax.nn.silu(gate) * up if gate is not None else jnp.square(jax.nn.relu(up))
-
-
 def experts_dropless(x, idx, weights, p: Experts):
     """sum_j weights[n, j] * SwiGLU_{idx[n, j]}(x[n]) with no token dropped: the N*k
     (token, expert) pairs are sorted by expert and run as grouped matmuls
@@ -102,7 +98,7 @@ def experts_dropless(x, idx, weights, p: Experts):
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
     grouped = lambda a, w: cpu_kernel.ragged_matmul(a, w, sizes)
-    h = _act(None if p.w_gate is None else grouped(xs, p.w_gate), grouped(xs, p.w_up))
+    h = layers.mlp_act(None if p.w_gate is None else grouped(xs, p.w_gate), grouped(xs, p.w_up))
     y = grouped(h.astype(x.dtype), p.w_down)
     y = y * weights.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
@@ -116,7 +112,7 @@ def experts_gathered(x, idx, weights, p: Experts):
     slots = idx.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)[:, None, :]  # [N*k, 1, D]
     mm = lambda a, w: cpu_kernel.expert_matmul(a, w, slots)
-    h = _act(None if p.w_gate is None else mm(xs, p.w_gate), mm(xs, p.w_up))  # [N*k, 1, F]
+    h = layers.mlp_act(None if p.w_gate is None else mm(xs, p.w_gate), mm(xs, p.w_up))  # [N*k, 1, F]
     y = mm(h.astype(x.dtype), p.w_down).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
 

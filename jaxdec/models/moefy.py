@@ -112,21 +112,7 @@ def moefy_model(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray,
     taps = taps.reshape(taps.shape[0], -1, cfg.d_model)  # [L, tokens, D]
     new_layers = []
     for i, p in enumerate(params.layers):
-        x = taps[i]
-        mlp = p.ffn
-        h = np.asarray(_hidden(jnp.asarray(x), mlp.w_gate, mlp.w_up))  # [tokens, F]
-        contribution = np.abs(h).mean(0) * np.linalg.norm(np.asarray(mlp.w_down, np.float32), axis=1)
-        shared = np.sort(np.argsort(-contribution, kind="stable")[:n_shared])
-        routed = np.setdiff1d(np.arange(cfg.d_ff), shared)
-        order = routed[group_neurons(h[:, routed], n_experts, seed=i)]
-        experts = moe.moefy(mlp.w_gate[:, order], mlp.w_up[:, order], mlp.w_down[order], n_experts)
-        importance = np.asarray(_importance(jnp.asarray(h[:, order]), experts.w_down))
-        router, bias = fit_router(x, importance)
-        keep = lambda w: w if n_shared else None
-        ffn = moe.MoEParams(router=jnp.asarray(router), router_bias=jnp.asarray(bias),
-                            experts=experts, shared_gate=keep(mlp.w_gate[:, shared]),
-                            shared_up=keep(mlp.w_up[:, shared]), shared_down=keep(mlp.w_down[shared]),
-                            shared_scale=None)
+        ffn = moefy_layer(p.ffn, taps[i], n_experts=n_experts, n_shared=n_shared, seed=i)
         new_layers.append(dataclasses.replace(p, ffn=ffn))
         if progress:
             progress(i + 1, len(params.layers))
@@ -137,9 +123,42 @@ def moefy_model(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray,
     return new_cfg, dataclasses.replace(params, layers=tuple(new_layers))
 
 
+def moefy_layer(mlp: transformer.MLP, x: np.ndarray, *, n_experts: int, n_shared: int = 0,
+                seed: int = 0) -> moe.MoEParams:
+    """One SwiGLU MLP as a MoE layer, from its calibration inputs x f32[tokens, D]: the
+    `n_shared` neurons of largest mean contribution as a shared expert, the rest clustered
+    into `n_experts` experts, a router (with bias) fitted to their output norms."""
+    f = mlp.w_up.shape[1]
+    h = np.asarray(_hidden(jnp.asarray(x), mlp.w_gate, mlp.w_up))  # [tokens, F]
+    contribution = np.abs(h).mean(0) * np.linalg.norm(np.asarray(mlp.w_down, np.float32), axis=1)
+    shared = np.sort(np.argsort(-contribution, kind="stable")[:n_shared])
+    routed = np.setdiff1d(np.arange(f), shared)
+    order = routed[group_neurons(h[:, routed], n_experts, seed=seed)]
+    experts = moe.moefy(mlp.w_gate[:, order], mlp.w_up[:, order], mlp.w_down[order], n_experts)
+    importance = np.asarray(_importance(jnp.asarray(h[:, order]), experts.w_down))
+    router, bias = fit_router(x, importance)
+    keep = lambda w: w if n_shared else None
+    return moe.MoEParams(router=jnp.asarray(router), router_bias=jnp.asarray(bias), experts=experts,
+                         shared_gate=keep(mlp.w_gate[:, shared]), shared_up=keep(mlp.w_up[:, shared]),
+                         shared_down=keep(mlp.w_down[shared]), shared_scale=None)
+
+
+def expert_outputs(p: moe.MoEParams, x) -> tuple[np.ndarray, np.ndarray]:
+    """(every routed expert's output f32[T, E, D], the shared expert's f32[T, D] or zeros)
+    for inputs x [T, D]: the parts a MoEfied MLP sums (analysis, not the decode path)."""
+    x = jnp.asarray(x, jnp.float32)
+    e = p.experts
+    h = layers.mlp_act(jnp.einsum("td,edf->tef", x, e.w_gate), jnp.einsum("td,edf->tef", x, e.w_up))
+    parts = np.asarray(jnp.einsum("tef,efd->ted", h, e.w_down))
+    if p.shared_up is None:
+        return parts, np.zeros((x.shape[0], x.shape[1]), np.float32)
+    return parts, np.asarray(layers.gated_mlp(x, p.shared_gate, p.shared_up, p.shared_down))
+
+
 @jax.jit
 def _hidden(x, w_gate, w_up):
-    return jax.nn.silu(x @ w_gate.astype(jnp.float32)) * (x @ w_up.astype(jnp.float32))
+    """The MLP's F hidden activations, f32[T, F], for inputs x f32[T, D]."""
+    return layers.mlp_act(x @ w_gate.astype(jnp.float32), x @ w_up.astype(jnp.float32))
 
 
 @jax.jit
