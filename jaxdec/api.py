@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from jaxdec import decode, exec_cache, quant
+from jaxdec import decode, exec_cache, quant, sharding
 from jaxdec.cache import dense
 from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
@@ -39,6 +40,7 @@ class Model:
     tokenizer: Any  # jaxdec.checkpoint.tokenizer.Tokenizer
     source: str = ""
     tensor_types: dict[str, str] = dataclasses.field(default_factory=dict)
+    mesh: Mesh | None = None  # the device mesh the params are laid out on (None: one device)
 
     @property
     def dtype(self):
@@ -89,6 +91,37 @@ def with_active_experts(model: Model, k: int) -> Model:
         raise JaxdecError(f"active experts must be 1..{moe.n_experts} (got {k})")
     cfg = dataclasses.replace(model.cfg, moe=dataclasses.replace(moe, top_k=int(k)))
     return dataclasses.replace(model, cfg=cfg)
+
+
+def shard(model: Model, mesh) -> Model:
+    """`model` laid out on `mesh` (a `Mesh`, or a spec such as "data=2,model=4") by the
+    sharding rules of its config (`jaxdec.sharding`); moves arrays device to device. To
+    read a checkpoint straight onto its shards, pass `mesh=` to `load` instead."""
+    mesh = sharding.make_mesh(mesh)
+    rules = sharding.rules_for(model.cfg, mesh)
+    shardings = sharding.param_shardings(transformer.declare(model.cfg), model.params, mesh, rules)
+    return dataclasses.replace(model, params=jax.device_put(model.params, shardings), mesh=mesh)
+
+
+def init_cache(model: Model, batch: int, max_len: int) -> dense.KVCache:
+    """An empty decode cache for `batch` rows of up to `max_len` tokens, in the model's
+    activation dtype, laid out on the model's mesh (rows over `data`, kv heads as the
+    heads are split) when it has one."""
+    if model.mesh is None:
+        return dense.init_cache(model.cfg, batch, max_len, model.dtype)
+    sharding.check_batch(batch, model.mesh)
+    rules = sharding.rules_for(model.cfg, model.mesh)
+    return dense.init_cache(model.cfg, batch, max_len, model.dtype,
+                            shardings=sharding.cache_shardings(model.cfg, model.mesh, rules))
+
+
+def _run(model: Model, fn, *args, **static):
+    """A jitted `fn`: through the executable cache on one device; on a mesh, traced under
+    it (`jax.set_mesh`: the model's code sees how the mesh splits)."""
+    if model.mesh is None:
+        return exec_cache.call(fn, *args, **static)
+    with jax.set_mesh(model.mesh):
+        return fn(*args, **static)
 
 
 def _load(source, *, dtype, weights, progress) -> Model:
@@ -211,7 +244,14 @@ def score(model: Model, token_ids) -> np.ndarray:
     _check_context(model.cfg, int(lens.max()), 0)
     steps = np.arange(tokens.shape[1])[None]
     positions = np.where(steps < lens[:, None], steps, -1).astype(np.int32)
-    logits = np.array(_score(model.params, tokens, positions, model.cfg))
+    if model.mesh is not None:
+        data = dict(model.mesh.shape).get("data", 1)
+        tokens = np.concatenate([tokens, np.zeros((-len(rows) % data, tokens.shape[1]), np.int32)])
+        positions = np.concatenate([positions, np.full((-len(rows) % data, tokens.shape[1]), -1, np.int32)])
+        with jax.set_mesh(model.mesh):
+            logits = np.array(_score(model.params, tokens, positions, model.cfg))[:len(rows)]
+    else:
+        logits = np.array(_score(model.params, tokens, positions, model.cfg))
     logits = logits[:, : lens.max()]
     logits[np.arange(logits.shape[1])[None] >= lens[:, None]] = np.nan
     return logits
@@ -277,28 +317,35 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
     _check_ids(rows, model.cfg.vocab_size)
+    n_rows = len(rows)
+    if model.mesh is not None:  # fill the `data` axis with idle rows (token limit 0)
+        data = dict(model.mesh.shape).get("data", 1)
+        rows = rows + [rows[0]] * (-n_rows % data)
     tokens, lens = _pad(rows, 32)
     _check_context(model.cfg, int(lens.max()), max_new_tokens)
     capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
-    cache = dense.init_cache(model.cfg, len(rows), capacity, model.dtype)
+    cache = init_cache(model, len(rows), capacity)
     stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
+    limits = np.where(np.arange(len(rows)) < n_rows, max_new_tokens, 0).astype(np.int32)
     # host arrays go in as they are: jnp.asarray would compile a copy program per shape
-    args = (model.params, cache, tokens, lens, jax.random.key(seed),
-            np.full((len(rows),), max_new_tokens, np.int32))
+    args = (model.params, cache, tokens, lens, jax.random.key(seed), limits)
     static = dict(sampler=sampler, cfg=model.cfg, max_new_tokens=int(max_new_tokens),
                   stop_ids=stops)
     if stream is None:
-        progress, _ = exec_cache.call(decode.generate_tokens, *args, **static)
+        progress, _ = _run(model, decode.generate_tokens, *args, **static)
     else:
-        progress = _streamed(args, static, stream, stream_chunk)
+        shown = stream if len(rows) == n_rows else (
+            lambda step, ids, active: stream(step, ids[:n_rows], active[:n_rows]))
+        progress = _streamed(model, args, static, shown, stream_chunk)
     out, n_gen = np.asarray(progress.tokens), np.asarray(progress.n_generated)
-    ids = [list(map(int, out[i, : n_gen[i]])) for i in range(len(rows))]
+    rows = rows[:n_rows]
+    ids = [list(map(int, out[i, : n_gen[i]])) for i in range(n_rows)]
     texts = [model.tokenizer.decode(r) for r in ids]
     return GenerateResult(texts=texts, token_ids=ids, prompt_ids=rows,
-                          stopped=list(map(bool, np.asarray(progress.stopped))))
+                          stopped=list(map(bool, np.asarray(progress.stopped)[:n_rows])))
 
 
-def _streamed(args, static, stream, chunk: int):
+def _streamed(model: Model, args, static, stream, chunk: int):
     """Run the generation chunk by chunk, handing each step's ids to `stream(step, ids,
     active)` while the next chunk is already queued on the device.
 
@@ -308,7 +355,7 @@ def _streamed(args, static, stream, chunk: int):
     overhead, which chunks of 4 did not hide.
     """
     params, _, _, _, rng, limits = args
-    progress, cache = exec_cache.call(decode.start, *args, **static)
+    progress, cache = _run(model, decode.start, *args, **static)
     static = {k: v for k, v in static.items() if k != "max_new_tokens"}
     done = target = _emit(progress, stream, 0)  # the first id, before the loop is compiled
     if _finished(progress, done):
@@ -317,8 +364,8 @@ def _streamed(args, static, stream, chunk: int):
     while True:
         target += chunk  # known on the host: no need to wait for the device to pick it
         chunk = min(2 * chunk, _MAX_CHUNK)
-        nxt, cache = exec_cache.call(decode.advance, params, cache, pending, rng, limits, target,
-                                     **static)
+        nxt, cache = _run(model, decode.advance, params, cache, pending, rng, limits, target,
+                          **static)
         done = _emit(pending, stream, done)  # reads `pending` while `nxt` runs
         if _finished(pending, done):
             return pending

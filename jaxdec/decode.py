@@ -18,6 +18,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxdec import sharding
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
 from jaxdec.models import transformer
@@ -83,8 +84,8 @@ def _emit(p: Progress, tok, limits, stops) -> Progress:
     tokens = p.tokens.at[:, p.step].set(jnp.where(p.active, tok, -1))
     n_gen = p.n_generated + p.active
     hit = p.active & jnp.isin(tok, stops)
-    return Progress(step=p.step + 1, last=tok, active=p.active & ~hit & (n_gen < limits),
-                    n_generated=n_gen, stopped=p.stopped | hit, tokens=tokens)
+    return sharding.replicated(Progress(step=p.step + 1, last=tok, active=p.active & ~hit & (n_gen < limits),
+                    n_generated=n_gen, stopped=p.stopped | hit, tokens=tokens))
 
 
 def _stops(stop_ids: tuple[int, ...]) -> jax.Array:

@@ -97,19 +97,43 @@ def entry_shapes(cfg: ModelConfig, mixer: str | None, batch: int, max_len: int, 
     return None, {}
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache for `batch` rows of up to `max_len` tokens, one entry per layer."""
+def entry_axes(mixer: str | None):
+    """The logical axes of the cache entry of a layer whose mixer is `mixer`, as an entry
+    of tuples (the sharding rules map them: rows over `data`, kv heads as the k/v
+    projections are split); None for a layer without one."""
+    if mixer == "attention":
+        return KVLayer(k=("batch", "kv_heads", None, "head_dim"),
+                       v=("batch", "kv_heads", "head_dim", None))
+    if mixer == "mla":
+        return LatentLayer(c=("batch", None, "kv_lora"), k_rope=("batch", None, None))
+    if mixer == "mamba":
+        return StateLayer(conv=("batch", None, "mamba_conv"),
+                          ssm=("batch", "mamba_heads", None, None))
+    return None
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+               shardings: KVCache | None = None) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_len` tokens, one entry per layer;
+    laid out by `shardings` (`jaxdec.sharding.cache_shardings`) when given, each device
+    allocating only its own shard."""
     # Host zeros copied to the device, one buffer at a time: jnp.zeros compiles a program
     # per shape (~50 ms of a CLI start). may_alias=False: an aliased host buffer would be
     # copied when the cache is first donated instead of being updated in place.
-    zeros = lambda s, dt: jax.device_put(np.zeros(s, dt), may_alias=False)
+    def zeros(shape, dt, sharding=None):
+        if sharding is None:
+            return jax.device_put(np.zeros(shape, dt), may_alias=False)
+        return jax.make_array_from_callback(
+            shape, sharding, lambda idx: np.zeros(sharding.shard_shape(shape), dt))
 
-    def entry(mixer):
+    def entry(i, mixer):
         cls, fields = entry_shapes(cfg, mixer, batch, max_len, dtype)
-        return None if cls is None else cls(**{f: zeros(*sd) for f, sd in fields.items()})
+        where = shardings.layers[i] if shardings is not None else None
+        return None if cls is None else cls(**{
+            f: zeros(*sd, None if where is None else getattr(where, f)) for f, sd in fields.items()})
 
-    return KVCache(layers=tuple(entry(mixer) for mixer, _ in cfg.kinds),
-                   lengths=zeros((batch,), jnp.int32))
+    return KVCache(layers=tuple(entry(i, mixer) for i, (mixer, _) in enumerate(cfg.kinds)),
+                   lengths=zeros((batch,), jnp.int32, shardings and shardings.lengths))
 
 
 def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> tuple[int, int]:
@@ -124,27 +148,33 @@ def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> tuple[int, int]:
     return grow, fixed
 
 
-def _slot_index(positions: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """(rows, slots) i32[B, T] to scatter a chunk into; padding and overflow go to scratch."""
-    slots = jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
-    return jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape), slots
+def _slot_index(positions: jax.Array, capacity: int) -> jax.Array:
+    """i32[B, T]: the slots to scatter a chunk into; padding and overflow go to scratch."""
+    return jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
+
+
+def _put(buf: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
+    """Row b of `new` ([B, T, ...]) into row b of `buf` at `slots[b]` (i32[B, T]) along
+    `axis` of a row, where the T new entries take the place of that axis. The rows
+    are a scatter batch dimension (vmap), so a mesh that splits the batch scatters each
+    row where it lives, with no gathered indices."""
+    def one(b, n, s):
+        index = (slice(None),) * axis + (s,)
+        return b.at[index].set(jnp.moveaxis(n, 0, axis).astype(b.dtype), mode="promise_in_bounds")
+    return jax.vmap(one)(buf, new, slots)
 
 
 def write(layer: KVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVLayer:
     """Scatter new keys/values ([B, T, K, H]) into their slots; padding goes to scratch."""
-    rows, slots = _slot_index(positions, layer.k.shape[2] - 1)
-    put_k = lambda buf, new: buf.at[rows, :, slots, :].set(new.astype(buf.dtype),
-                                                           mode="promise_in_bounds")
-    put_v = lambda buf, new: buf.at[rows, :, :, slots].set(new.astype(buf.dtype),
-                                                           mode="promise_in_bounds")
-    return KVLayer(k=put_k(layer.k, k), v=put_v(layer.v, v))
+    slots = _slot_index(positions, layer.k.shape[2] - 1)
+    # per row, the T new slots go along axis 1 of k [K, S, H] and axis 2 of v [K, H, S]
+    return KVLayer(k=_put(layer.k, k, slots, 1), v=_put(layer.v, v, slots, 2))
 
 
 def write_latent(layer: LatentLayer, c: jax.Array, k_rope: jax.Array, positions) -> LatentLayer:
     """Scatter new latents [B, T, R] and RoPE keys [B, T, r] into their slots."""
-    rows, slots = _slot_index(positions, layer.c.shape[1] - 1)
-    put = lambda buf, new: buf.at[rows, slots].set(new.astype(buf.dtype), mode="promise_in_bounds")
-    return LatentLayer(c=put(layer.c, c), k_rope=put(layer.k_rope, k_rope))
+    slots = _slot_index(positions, layer.c.shape[1] - 1)
+    return LatentLayer(c=_put(layer.c, c, slots, 0), k_rope=_put(layer.k_rope, k_rope, slots, 0))
 
 
 def advance(lengths: jax.Array, positions: jax.Array) -> jax.Array:

@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxdec import layers
+from jaxdec import layers, sharding
 from jaxdec.quant import cpu_kernel
 from jaxdec.config import ModelConfig, MoEConfig
 from jaxdec.pytree import ParamSpec
@@ -89,7 +89,8 @@ def experts_dropless(x, idx, weights, p: Experts):
     """sum_j weights[n, j] * SwiGLU_{idx[n, j]}(x[n]) with no token dropped: the N*k
     (token, expert) pairs are sorted by expert and run as grouped matmuls
     (`cpu_kernel.ragged_matmul`), each expert over exactly the rows routed to it.
-    x [N, D]; idx i32[N, k]; weights [N, k] -> [N, D] in x.dtype."""
+    x [N, D]; idx i32[N, k]; weights [N, k] -> [N, D] in x.dtype. A pair whose index is
+    E (another shard's expert) sorts last, past every group, and adds nothing."""
     n, k = idx.shape
     e = p.w_up.shape[0]
     flat = idx.reshape(-1)
@@ -107,9 +108,12 @@ def experts_dropless(x, idx, weights, p: Experts):
 def experts_gathered(x, idx, weights, p: Experts):
     """`experts_dropless` for few pairs: each (token, expert) pair multiplies by its expert's
     weights where they lie (`cpu_kernel.expert_matmul`: on the CPU nothing is copied, so only
-    the chosen experts are read). x [N, D]; idx i32[N, k]; weights [N, k]."""
+    the chosen experts are read). x [N, D]; idx i32[N, k]; weights [N, k]. A pair whose
+    index is E (another shard's expert) runs expert 0 at weight 0."""
     n, k = idx.shape
-    slots = idx.reshape(-1)
+    outside = idx >= p.w_up.shape[0]
+    weights = jnp.where(outside, 0, weights)
+    slots = jnp.where(outside, 0, idx).reshape(-1)
     xs = jnp.repeat(x, k, axis=0)[:, None, :]  # [N*k, 1, D]
     mm = lambda a, w: cpu_kernel.expert_matmul(a, w, slots)
     h = layers.mlp_act(None if p.w_gate is None else mm(xs, p.w_gate), mm(xs, p.w_up))  # [N*k, 1, F]
@@ -119,11 +123,38 @@ def experts_gathered(x, idx, weights, p: Experts):
 
 def experts(x, idx, weights, p: Experts):
     """sum_j weights[n, j] * expert_{idx[n, j]}(x[n]), every pair computed (dropless), by the
-    dispatch that suits N*k (see the module docstring)."""
+    dispatch that suits N*k (see the module docstring). Pairs with index E (experts held by
+    another shard, see `experts_sharded`) contribute nothing."""
     n, k = idx.shape
     if n * k <= p.w_up.shape[0]:
         return experts_gathered(x, idx, weights, p)
     return experts_dropless(x, idx, weights, p)
+
+
+def experts_sharded(x, idx, weights, p: Experts, cfg: ModelConfig):
+    """`experts` on a mesh, under `shard_map`: each device holds E / `expert` experts (and
+    1 / `model` of each expert's hidden units), runs the pairs routed to its own experts on
+    its rows of the batch (`data`), and the partial outputs are summed over `expert` and
+    `model` (one all-reduce per MoE layer). Tokens are not moved between devices: at decode
+    batch sizes an all-reduce of [N, D] is cheaper than two all-to-alls."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = sharding.rules_for(cfg, mesh)
+    spec = lambda *axes: rules.spec(axes)
+    rows = spec("batch", None) if x.shape[0] % dict(mesh.shape).get("data", 1) == 0 else spec(None, None)
+    summed = tuple(a for a in (rules.mesh_axis("expert"), rules.mesh_axis("expert_mlp")) if a)
+    w_in, w_out = spec("expert", None, "expert_mlp"), spec("expert", "expert_mlp", None)
+    specs = Experts(w_gate=None if p.w_gate is None else w_in, w_up=w_in, w_down=w_out)
+
+    def local(x, idx, weights, p: Experts):
+        e = p.w_up.shape[0]
+        axis = rules.mesh_axis("expert")
+        first = jax.lax.axis_index(axis) * e if axis else 0
+        mine = (idx >= first) & (idx < first + e)
+        y = experts(x, jnp.where(mine, idx - first, e), jnp.where(mine, weights, 0), p)
+        return jax.lax.psum(y.astype(jnp.float32), summed).astype(x.dtype) if summed else y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
+                         check_vma=False)(x, idx, weights, p)
 
 
 def shared_expert(x, w_gate, w_up, w_down, gate=None):
@@ -188,7 +219,10 @@ def block(x, p: MoEParams, cfg: ModelConfig):
     xs = x.reshape(b * t, d)
     logits = jnp.dot(xs.astype(jnp.float32), p.router.astype(jnp.float32))
     weights, idx = route(logits, p.router_bias, cfg.moe)
-    y = experts(xs, idx, weights, p.experts)
+    if sharding.split_axes():
+        y = experts_sharded(xs, idx, weights, p.experts, cfg)
+    else:
+        y = experts(xs, idx, weights, p.experts)
     if p.shared_up is not None:
         y = y + shared_expert(xs, p.shared_gate, p.shared_up, p.shared_down, gate=p.shared_scale)
     return y.reshape(b, t, d)

@@ -18,7 +18,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxdec import layers, quant
+from jaxdec import layers, quant, sharding
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
 from jaxdec.models import mamba, mla, moe
@@ -195,8 +195,8 @@ def hidden(params: Params, tokens, positions, cache: dense.KVCache | None, cfg: 
     x = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
     if cache is None:
         return x, None
-    return x, dense.KVCache(layers=tuple(new_layers),
-                            lengths=dense.advance(cache.lengths, positions))
+    cache = dense.KVCache(layers=tuple(new_layers), lengths=dense.advance(cache.lengths, positions))
+    return x, sharding.constrain_cache(cache, cfg)
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

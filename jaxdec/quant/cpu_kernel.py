@@ -233,6 +233,16 @@ def available() -> bool:
     return _get()["ok"]
 
 
+def usable() -> bool:
+    """The kernel is `available()` and the program being traced runs on one device per
+    shard: not under a mesh whose axes XLA's SPMD partitioner splits (a custom call is a
+    single-device program; the partitioner would gather its operands onto every device).
+    Inside a `shard_map` the axes are manual and the kernel runs on each local shard."""
+    from jaxdec.sharding import split_axes
+
+    return available() and not split_axes()
+
+
 def reason() -> str:
     """Why the kernel is not available ('' when it is)."""
     return _get()["reason"]
@@ -357,7 +367,7 @@ def _dispatch(x, operands, n, max_m, kernel, xla):
     Otherwise `xla(x, *operands)` alone."""
     lead, K = x.shape[:-1], x.shape[-1]
     M = int(np.prod(lead, dtype=np.int64)) if lead else 1
-    if M == 0 or M >= max_m or not available():
+    if M == 0 or M >= max_m or not usable():
         return xla(x, *operands)
     x2 = x.astype(jnp.float32).reshape(M, K)
     return _staged(kernel, xla, x2, *operands).reshape(*lead, n)
@@ -462,7 +472,7 @@ def expert_matmul_xla(x, w, idx) -> jax.Array:
 def _expert_kernel(target: str, xla, x, w, ints, out_shape, impl: str | None) -> jax.Array:
     """The expert kernels' shared tail: `target`(x, w, ints) -> f32[out_shape] on CPU,
     `xla(x, w, ints)` where the kernel cannot run (other backends, other weight dtypes)."""
-    if not available() or jnp.dtype(w.dtype) not in _DENSE_DTYPES or x.size == 0:
+    if not usable() or jnp.dtype(w.dtype) not in _DENSE_DTYPES or x.size == 0:
         return xla(x, w, ints)
 
     def kernel(x, w, ints):
@@ -523,7 +533,7 @@ def attention(q, blocks, *, scale: float, xla, impl: str | None = None) -> jax.A
     multiplies the scores (1/sqrt(H) for standard attention).
     """
     b, t, n, h = q.shape
-    ok = (t <= MAX_ATTENTION_T and b * t * n * h > 0 and available()
+    ok = (t <= MAX_ATTENTION_T and b * t * n * h > 0 and usable()
           and all(k.dtype == v.dtype and k.dtype in _DENSE_DTYPES for k, v, _ in blocks))
     if not ok:
         return xla(q, *blocks)
