@@ -24,6 +24,7 @@ from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
+from jaxdec.pytree import abstract_params
 from jaxdec.quant import convert
 from jaxdec.sampling import Greedy, Sampler
 
@@ -72,11 +73,32 @@ WEIGHTS = ("f32", "bf16", "int8", "int4", "gguf")
 
 
 def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: str | None = None,
-         active_experts: int | None = None, progress=None) -> Model:
+         active_experts: int | None = None, progress=None, mesh=None) -> Model:
     """Load a model (see `_load`); `active_experts` runs a MoE model with that many experts
-    per token instead of the number it was trained with (`with_active_experts`)."""
-    model = _load(source, dtype=dtype, weights=weights, progress=progress)
+    per token instead of the number it was trained with (`with_active_experts`).
+
+    `mesh` (a `jax.sharding.Mesh` or a spec such as "data=2,model=4", see
+    `jaxdec.sharding`) lays the model out over devices: each parameter is read and only its
+    slices are placed on their devices (from an orbax checkpoint, each process reads only
+    its shards), so the whole model is never on one device; generation then runs sharded."""
+    mesh = None if mesh is None else sharding.make_mesh(mesh)
+    model = _load(source, dtype=dtype, weights=weights, progress=progress, mesh=mesh)
     return model if active_experts is None else with_active_experts(model, active_experts)
+
+
+def _layout(cfg: ModelConfig, mesh, params):
+    """NamedShardings for `params` (concrete or abstract) of `cfg` on `mesh`, checked."""
+    return sharding.param_shardings(transformer.declare(cfg), params, mesh,
+                                    sharding.rules_for(cfg, mesh))
+
+
+def _quantized(model: Model, weights: str | None) -> Model:
+    if weights is None:
+        return model
+    params = convert.quantize_params(model.params, transformer.declare(model.cfg), weights)
+    if model.mesh is not None:
+        params = jax.device_put(params, _layout(model.cfg, model.mesh, params))
+    return dataclasses.replace(model, params=params)
 
 
 def with_active_experts(model: Model, k: int) -> Model:
@@ -124,7 +146,7 @@ def _run(model: Model, fn, *args, **static):
         return fn(*args, **static)
 
 
-def _load(source, *, dtype, weights, progress) -> Model:
+def _load(source, *, dtype, weights, progress, mesh=None) -> Model:
     """Load a named model, a .gguf file, a HF directory, or a `jaxdec convert` checkpoint.
 
     `weights` picks the format of the matmul weights: "f32" or "bf16" (then also the
@@ -144,60 +166,54 @@ def _load(source, *, dtype, weights, progress) -> Model:
     if not path.exists():
         raise JaxdecError(f"no such file or directory: {path}")
     if path.is_dir() and orbax_io.is_checkpoint(path):
-        model = _load_orbax(path, dt)
-        if weights is None:
-            return model
-        decl = transformer.declare(model.cfg)
-        return dataclasses.replace(model, params=convert.quantize_params(model.params, decl,
-                                                                         weights))
+        return _quantized(_load_orbax(path, dt, mesh), weights)
     named = name in registry.MODELS  # only the registry's models are cached (one copy each)
     cached = params_cache.entry(path, weights, dt) if named and params_cache.enabled() else None
-    hit = cached and params_cache.load(cached)
+    place = None if mesh is None else (lambda cfg, params: _layout(cfg, mesh, params))
+    hit = cached and params_cache.load(cached, place)
     if hit:
         cfg, params, tok, types = hit
-        return Model(cfg=cfg, params=params, tokenizer=tok, source=name, tensor_types=types)
-    model = _read(path, name, dt, weights, progress)
-    if cached:
+        return Model(cfg=cfg, params=params, tokenizer=tok, source=name, tensor_types=types,
+                     mesh=mesh)
+    model = _quantized(_read(path, name, dt, weights, progress, mesh), weights)
+    if cached and mesh is None:  # (storing would gather a sharded model onto this host)
         params_cache.store(cached, model.cfg, model.params, model.tokenizer, model.tensor_types)
     return model
 
 
-def _read(path: pathlib.Path, name: str, dtype, weights: str | None, progress) -> Model:
-    """A GGUF file or HF directory, converted to `weights` (see `load`)."""
+def _read(path: pathlib.Path, name: str, dtype, weights: str | None, progress, mesh) -> Model:
+    """A GGUF file or HF directory, in float `dtype` or kept blocks (see `load`)."""
     if path.is_dir():
         from jaxdec.checkpoint.hf_reader import read_hf_dir
-        model = _from_checkpoint(read_hf_dir(path), name, dtype, weights)
+        ckpt = read_hf_dir(path)
     else:
         from jaxdec.checkpoint.gguf_reader import read_gguf
         ckpt = read_gguf(path, progress=progress, keep_blocks=weights is not None)
-        model = _from_checkpoint(ckpt, name, dtype, weights)
-    if weights is None:
-        return model
-    decl = transformer.declare(model.cfg)
-    return dataclasses.replace(model, params=convert.quantize_params(model.params, decl, weights))
-
-
-def _from_checkpoint(ckpt, name: str, dtype, weights: str | None) -> Model:
     keep = {n: b for n, b in ckpt.blocks.items()
             if weights == "gguf" or (weights and b.bits == convert.FORMATS[weights][0])}
-    params = hf_layout.params_from_hf(ckpt.config, ckpt.tensors, dtype, keep)
-    return Model(cfg=ckpt.config, params=params, tokenizer=ckpt.tokenizer, source=name,
-                 tensor_types=dict(ckpt.tensor_types))
+    cfg = ckpt.config
+    where = None if mesh is None else _layout(cfg, mesh, abstract_params(transformer.declare(cfg)))
+    params = hf_layout.params_from_hf(cfg, ckpt.tensors, dtype, keep, shardings=where)
+    return Model(cfg=cfg, params=params, tokenizer=ckpt.tokenizer, source=name,
+                 tensor_types=dict(ckpt.tensor_types), mesh=mesh)
 
 
-def _load_orbax(path: pathlib.Path, dtype) -> Model:
+def _load_orbax(path: pathlib.Path, dtype, mesh) -> Model:
     from jaxdec.checkpoint.tokenizer import Tokenizer
 
     meta = orbax_io.read_meta(path)
     cfg = ModelConfig.from_dict(meta["config"])
     abstract = convert.abstract_like(transformer.declare(cfg), jnp.dtype(meta["dtype"]),
                                      meta.get("qarrays", {}))
+    if mesh is not None:  # orbax reads only the slices of this process's devices
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract, _layout(cfg, mesh, abstract))
     params = orbax_io.restore(path, abstract)
     if params.final_norm.dtype != dtype:
         cast = lambda x: x if _is_q(x) else x.astype(dtype)
         params = jax.tree.map(cast, params, is_leaf=_is_q)
     return Model(cfg=cfg, params=params, tokenizer=Tokenizer.load(path), source=str(path),
-                 tensor_types=meta.get("tensor_types", {}))
+                 tensor_types=meta.get("tensor_types", {}), mesh=mesh)
 
 
 def save(model: Model, path) -> pathlib.Path:

@@ -9,7 +9,8 @@ builder, `jaxdec info`, `jaxdec convert`) reads only this.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,6 +42,26 @@ class Checkpoint:
     blocks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+class LazyTensors(Mapping):
+    """HF-named float32 tensors, each read from its file when it is looked up and not kept:
+    building parameters from it holds one tensor at a time on the host (a sharded load
+    places each one's slices, then drops it). `shapes` are known without reading."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], np.ndarray]):
+        self.shapes, self._read = dict(shapes), read
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
 def missing_tensors_error(source: str, missing: list[str]) -> JaxdecError:
     """One line naming the first few missing tensors and how many there are."""
     shown = ", ".join(repr(m) for m in sorted(missing)[:3])
@@ -54,12 +75,15 @@ def validate(ckpt: Checkpoint, source: str) -> Checkpoint:
     missing = [n for n in expected if n not in ckpt.tensors]
     if missing:
         raise missing_tensors_error(source, missing)
-    for name, arr in ckpt.tensors.items():
+    lazy = isinstance(ckpt.tensors, LazyTensors)
+    for name in ckpt.tensors:
         if name not in expected:
             raise JaxdecError(f"{source}: unexpected tensor {name!r}")
-        if tuple(arr.shape) != expected[name]:
-            raise JaxdecError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, "
+        arr = None if lazy else ckpt.tensors[name]
+        shape = tuple(ckpt.tensors.shapes[name] if lazy else arr.shape)
+        if shape != expected[name]:
+            raise JaxdecError(f"{source}: tensor {name!r} has shape {shape}, "
                               f"expected {expected[name]} from the config")
-        if arr.dtype != np.float32:
+        if arr is not None and arr.dtype != np.float32:  # a lazy read converts to float32
             raise JaxdecError(f"{source}: tensor {name!r} is {arr.dtype}, expected float32")
     return ckpt

@@ -23,7 +23,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxdec.checkpoint.common import Checkpoint, missing_tensors_error, validate
+from jaxdec.checkpoint.common import Checkpoint, LazyTensors, missing_tensors_error, validate
 from jaxdec.checkpoint.hf_layout import hf_tensor_shapes
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.config import ModelConfig, RopeScaling
@@ -333,15 +333,25 @@ def read_gguf(path: str | pathlib.Path, *, progress=None, keep_blocks: bool = Fa
         except ValueError as e:
             raise JaxdecError(f"{header.path}: invalid model metadata ({e})") from None
         names = _check_tensors(header, cfg)
-        tensors, blocks = {}, {}
-        for name, hf in names.items():
-            tensors[hf] = _load_tensor(buf, header.tensors[name], hf, cfg)
-            if keep_blocks and tensors[hf].ndim == 2:
+        blocks = {}
+        for name, hf in names.items() if keep_blocks else ():
+            if len(header.tensors[name].shape) == 2:
                 qa = _load_blocks(buf, header.tensors[name], hf, cfg)
                 if qa is not None:
                     blocks[hf] = qa
-            if progress is not None:
-                progress(len(tensors), len(names))
+    by_hf = {hf: name for name, hf in names.items()}
+    done = []
+
+    def read(hf: str) -> np.ndarray:  # one tensor, dequantized when it is looked up
+        with open(header.path, "rb") as f, _mapped(f, header.path) as buf:
+            w = _load_tensor(buf, header.tensors[by_hf[hf]], hf, cfg)
+        done.append(hf)
+        if progress is not None:
+            progress(min(len(done), len(names)), len(names))
+        return w
+
+    shapes = hf_tensor_shapes(cfg)
+    tensors = LazyTensors({hf: shapes[hf] for hf in by_hf}, read)
     types = {hf: header.tensors[name].type_name for name, hf in names.items()}
     return validate(Checkpoint(config=cfg, tensors=tensors, tokenizer=tok, tensor_types=types,
                                blocks=blocks), str(header.path))

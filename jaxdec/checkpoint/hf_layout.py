@@ -170,15 +170,31 @@ def _path(keypath) -> str:
     return ".".join(parts)
 
 
-def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
-                   blocks: dict[str, quant.QArray] | None = None) -> transformer.Params:
-    """Build `Params` from HF-named float32 tensors (in HF shapes, as `hf_tensor_shapes`).
+def params_from_hf(cfg: ModelConfig, tensors, dtype=jnp.float32,
+                   blocks: dict[str, quant.QArray] | None = None, shardings=None) -> transformer.Params:
+    """Build `Params` from HF-named float32 tensors (in HF shapes, as `hf_tensor_shapes`;
+    a mapping, possibly `common.LazyTensors` that reads each one when it is looked up).
 
     A linear weight named in `blocks` (a `QArray` of the [in, out] matrix) is used as it
     is, reshaped to the declared logical shape; the other weights are cast to `dtype`.
+    With `shardings` (a tree like the declaration of NamedShardings), each parameter is
+    converted on the host and only its slices are placed on their devices
+    (`sharding.place`), one parameter at a time: the whole model is never on one device,
+    and the host holds one tensor at a time.
     """
+    from jaxdec import sharding
+
     table, blocks = layout(cfg), blocks or {}
-    arr = lambda a: jnp.asarray(np.asarray(a, np.float32), dtype)
+    decl = transformer.declare(cfg)
+    where = (shardings if shardings is not None
+             else jax.tree.map(lambda _: None, decl, is_leaf=is_spec))
+    leaf_of = dict(jax.tree_util.tree_flatten_with_path(where, is_leaf=lambda x: x is None)[0])
+
+    def arr(keypath, a):
+        place = leaf_of.get(keypath)
+        if place is None:
+            return jnp.asarray(np.asarray(a, np.float32), dtype)
+        return sharding.place(a, place, dtype)
 
     def one(keypath, spec: ParamSpec | None):
         if spec is None:
@@ -194,7 +210,6 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.f
             "conv": lambda ts: np.ascontiguousarray(ts[0][:, 0, :].T),
             "experts": lambda ts: np.stack([t.T for t in ts]),
         }[src.kind]
-        return arr(convert([tensors[n] for n in src.names]).reshape(spec.shape))
+        return arr(keypath, convert([tensors[n] for n in src.names]).reshape(spec.shape))
 
-    return jax.tree_util.tree_map_with_path(one, transformer.declare(cfg),
-                                            is_leaf=lambda x: x is None or is_spec(x))
+    return jax.tree_util.tree_map_with_path(one, decl, is_leaf=lambda x: x is None or is_spec(x))

@@ -20,7 +20,7 @@ import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16' dtype, which safet
 import numpy as np
 import safetensors
 
-from jaxdec.checkpoint.common import Checkpoint, missing_tensors_error, validate
+from jaxdec.checkpoint.common import Checkpoint, LazyTensors, missing_tensors_error, validate
 from jaxdec.checkpoint.hf_layout import hf_tensor_shapes
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.config import MambaConfig, MLAConfig, ModelConfig, MoEConfig, RopeScaling
@@ -284,9 +284,10 @@ def _skipped(name: str, wanted: dict[str, tuple[int, ...]], cfg: ModelConfig) ->
 
 
 def _read_shard(file: pathlib.Path, wanted: dict[str, tuple[int, ...]], cfg: ModelConfig
-                ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """`file`'s tensors that are in `wanted`, as float32, and their stored dtypes."""
-    tensors, types = {}, {}
+                ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The shapes of `file`'s tensors that are in `wanted` and their stored dtypes (read
+    from the header: no tensor data is read)."""
+    shapes, types = {}, {}
     try:
         with safetensors.safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
@@ -294,18 +295,36 @@ def _read_shard(file: pathlib.Path, wanted: dict[str, tuple[int, ...]], cfg: Mod
                     continue
                 if name not in wanted:
                     raise JaxdecError(f"{file}: unexpected tensor {name!r}")
-                types[name] = f.get_slice(name).get_dtype()
-                tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+                sl = f.get_slice(name)
+                types[name], shapes[name] = sl.get_dtype(), tuple(sl.get_shape())
     except JaxdecError:
         raise
     except Exception as e:  # safetensors raises SafetensorError / OSError / TypeError
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise JaxdecError(f"{file}: cannot read safetensors ({first})") from None
-    return tensors, types
+        raise _unreadable(file, e) from None
+    return shapes, types
+
+
+def _unreadable(file: pathlib.Path, e: Exception) -> JaxdecError:
+    first = (str(e).splitlines() or [type(e).__name__])[0]
+    return JaxdecError(f"{file}: cannot read safetensors ({first})")
+
+
+def _reader(where: dict[str, pathlib.Path]):
+    """name -> the tensor as float32, read from its file when called."""
+
+    def read(name: str) -> np.ndarray:
+        try:
+            with safetensors.safe_open(str(where[name]), framework="numpy") as f:
+                return np.asarray(f.get_tensor(name), dtype=np.float32)
+        except Exception as e:
+            raise _unreadable(where[name], e) from None
+
+    return read
 
 
 def read_hf_dir(path: str | pathlib.Path) -> Checkpoint:
-    """A Hugging Face model directory as a `Checkpoint` of float32 tensors.
+    """A Hugging Face model directory as a `Checkpoint` of float32 tensors (read from
+    their files as they are looked up: `common.LazyTensors`).
 
     A tied model's `lm_head.weight`, if stored, is dropped (the embedding is the head).
     Every user-facing problem is a one-line JaxdecError.
@@ -320,11 +339,15 @@ def read_hf_dir(path: str | pathlib.Path) -> Checkpoint:
     tok = Tokenizer.from_hf_dir(path)
     cfg = config_from_hf(config, tok, path)
     wanted = hf_tensor_shapes(cfg)
-    shards = [_read_shard(file, wanted, cfg) for file in _safetensors_files(path)]
-    tensors = {k: v for shard, _ in shards for k, v in shard.items()}
-    types = {k: v for _, shard_types in shards for k, v in shard_types.items()}
-    missing = [n for n in wanted if n not in tensors]
+    shapes, types, where = {}, {}, {}
+    for file in _safetensors_files(path):
+        file_shapes, file_types = _read_shard(file, wanted, cfg)
+        shapes |= file_shapes
+        types |= file_types
+        where |= dict.fromkeys(file_shapes, file)
+    missing = [n for n in wanted if n not in shapes]
     if missing:
         raise missing_tensors_error(str(path), missing)
+    tensors = LazyTensors(shapes, _reader(where))
     return validate(Checkpoint(config=cfg, tensors=tensors, tokenizer=tok, tensor_types=types),
                     str(path))

@@ -40,8 +40,10 @@ def entry(source: pathlib.Path, weights: str | None, dtype) -> pathlib.Path:
     return home() / ".params_cache" / hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
-def load(path: pathlib.Path):
-    """(config, params, tokenizer, tensor_types) from a cache entry, or None if absent."""
+def load(path: pathlib.Path, layout=None):
+    """(config, params, tokenizer, tensor_types) from a cache entry, or None if absent.
+    `layout(cfg, abstract_params)`, when given, returns the params' NamedShardings: each
+    device then receives only its slices of the memory-mapped leaves."""
     from jaxdec.checkpoint.tokenizer import Tokenizer
     from jaxdec.models import transformer
     from jaxdec.quant import convert
@@ -61,8 +63,12 @@ def load(path: pathlib.Path):
     for a, spec in zip(host, leaves):
         if a.shape != spec.shape or a.dtype != spec.dtype:
             return None  # stale or damaged entry: the caller re-reads the source
-    arrays = jax.device_put(host)
-    return cfg, jax.tree.unflatten(treedef, arrays), Tokenizer.load(path), meta["tensor_types"]
+    if layout is None:
+        params = jax.tree.unflatten(treedef, jax.device_put(host))
+    else:
+        from jaxdec import sharding
+        params = sharding.place(jax.tree.unflatten(treedef, host), layout(cfg, abstract))
+    return cfg, params, Tokenizer.load(path), meta["tensor_types"]
 
 
 def store(path: pathlib.Path, cfg: ModelConfig, params, tokenizer, tensor_types) -> None:
