@@ -265,7 +265,7 @@ def score(model: Model, token_ids) -> np.ndarray:
         tokens = np.concatenate([tokens, np.zeros((-len(rows) % data, tokens.shape[1]), np.int32)])
         positions = np.concatenate([positions, np.full((-len(rows) % data, tokens.shape[1]), -1, np.int32)])
         with jax.set_mesh(model.mesh):
-            logits = np.array(_score(model.params, tokens, positions, model.cfg))[:len(rows)]
+            logits = np.array(sharding.to_host(_score(model.params, tokens, positions, model.cfg)))[:len(rows)]
     else:
         logits = np.array(_score(model.params, tokens, positions, model.cfg))
     logits = logits[:, : lens.max()]
@@ -353,12 +353,13 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
         shown = stream if len(rows) == n_rows else (
             lambda step, ids, active: stream(step, ids[:n_rows], active[:n_rows]))
         progress = _streamed(model, args, static, shown, stream_chunk)
-    out, n_gen = np.asarray(progress.tokens), np.asarray(progress.n_generated)
+    progress = sharding.to_host(progress)  # (from every device, in a multi-process run)
+    out, n_gen = progress.tokens, progress.n_generated
     rows = rows[:n_rows]
     ids = [list(map(int, out[i, : n_gen[i]])) for i in range(n_rows)]
     texts = [model.tokenizer.decode(r) for r in ids]
     return GenerateResult(texts=texts, token_ids=ids, prompt_ids=rows,
-                          stopped=list(map(bool, np.asarray(progress.stopped)[:n_rows])))
+                          stopped=list(map(bool, progress.stopped[:n_rows])))
 
 
 def _streamed(model: Model, args, static, stream, chunk: int):
@@ -389,13 +390,13 @@ def _streamed(model: Model, args, static, stream, chunk: int):
 
 
 def _finished(progress, done: int) -> bool:
-    return done >= progress.tokens.shape[1] or not np.asarray(progress.active).any()
+    return done >= progress.tokens.shape[1] or not sharding.to_host(progress.active).any()
 
 
 def _emit(progress, stream, done: int) -> int:
     """Hand the ids of steps [done, progress.step) to `stream`; returns progress.step."""
-    step = int(progress.step)  # waits for this chunk only
-    cols = np.asarray(progress.tokens)[:, done:step]  # sliced on the host: no slice program
+    step = int(sharding.to_host(progress.step))  # waits for this chunk only
+    cols = sharding.to_host(progress.tokens)[:, done:step]  # sliced on the host: no slice program
     for j in range(cols.shape[1]):
         stream(done + j, cols[:, j], cols[:, j] >= 0)
     return step

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import sys
 import time
@@ -34,6 +35,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"],
                    help="weight format (default: --dtype); int8/int4 are group-wise "
                         "quantised, gguf keeps the file's own Q4/Q8 blocks")
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="lay the model out on a device mesh, e.g. data=2,model=4 (axes data, "
+                        "model, expert); on CPU, the devices are faked by XLA")
     p.add_argument("--active-experts", type=int, default=None,
                    help="MoE models: experts per token (default: as trained)")
 
@@ -132,10 +136,28 @@ def _start():
     return commands
 
 
+def _fake_cpu_devices(mesh: str | None) -> None:
+    """Before jax starts: let the CPU platform offer the devices a --mesh asks for (XLA
+    fakes them; `--xla_force_host_platform_device_count` touches no other platform). A
+    count the user set in XLA_FLAGS is kept. In a multi-process run (JAXDEC_NUM_PROCESSES),
+    each process offers its share."""
+    if not mesh or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    from jaxdec.sharding import parse_mesh  # imports jax without starting a backend
+
+    need = math.prod(parse_mesh(mesh).values())
+    share = -(-need // max(1, int(os.environ.get("JAXDEC_NUM_PROCESSES", "1") or 1)))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={share}").strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _fake_cpu_devices(getattr(args, "mesh", None))
         commands = _start()
+        from jaxdec import sharding
+        sharding.initialize_from_env()
         return getattr(commands, args.command)(args) or 0
     except JaxdecError as e:
         sys.stderr.write(f"jaxdec: error: {e}\n")

@@ -51,10 +51,26 @@ class _Printer:
                 f"on a cold cache); decode {rate:.1f} tok/s")
 
 
+def _load(args):
+    """The model of --model/--dtype/--weights/--active-experts, on --mesh when given (the
+    mesh and the bytes each device holds go to stderr)."""
+    mesh = getattr(args, "mesh", None)
+    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
+                        active_experts=args.active_experts, mesh=mesh)
+    if model.mesh is not None:
+        import jax
+
+        from jaxdec import sharding
+        held = sharding.max_device_bytes(model.params) / 2**20
+        print(f"[mesh {sharding.describe(model.mesh)} over {model.mesh.size} "
+              f"{jax.devices()[0].platform} devices, {jax.process_count()} process(es): "
+              f"params {held:.1f} MiB per device]", file=sys.stderr)
+    return model
+
+
 def generate(args) -> int:
     sampler = _sampler(args)
-    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
-                        active_experts=args.active_experts)
+    model = _load(args)
     if args.no_stream:
         t0 = time.perf_counter()
         res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -74,8 +90,7 @@ def generate(args) -> int:
 
 def chat(args) -> int:
     sampler = _sampler(args)
-    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
-                        active_experts=args.active_experts)
+    model = _load(args)
     if not model.tokenizer.chat_template:
         raise JaxdecError(f"{args.model} has no chat template; use `jaxdec generate`")
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -146,8 +161,7 @@ def info(args) -> int:
 def eval(args) -> int:  # noqa: A001 (the subcommand's name)
     from jaxdec import perplexity
 
-    model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
-                        active_experts=args.active_experts)
+    model = _load(args)
     t0 = time.perf_counter()
     encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
     result = perplexity.evaluate(lambda toks: api.score(model, toks), encode, args.corpus,

@@ -33,6 +33,7 @@ partitioner splits; MoE layers run their experts under `shard_map` (`moe.block`)
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -102,6 +103,28 @@ def split_axes(mesh=None) -> dict[str, int]:
         return {}
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     return {a: s for a, s in mesh.shape.items() if s > 1 and types[a] != AxisType.Manual}
+
+
+# ---------------------------------------------------------------------------- processes
+
+ENV = ("JAXDEC_COORDINATOR", "JAXDEC_NUM_PROCESSES", "JAXDEC_PROCESS_ID")
+
+
+def initialize_from_env() -> bool:
+    """Join a multi-process run when `scripts/launch_multihost.py` (or a cluster's own
+    launcher) set JAXDEC_COORDINATOR (host:port), JAXDEC_NUM_PROCESSES and
+    JAXDEC_PROCESS_ID: `jax.distributed.initialize`, before any device is touched. After
+    it, `jax.devices()` lists every process's devices and a mesh spans them all; XLA's
+    collectives (gloo on CPU) carry the traffic. Returns whether it joined one."""
+    coordinator = os.environ.get(ENV[0])
+    if not coordinator:
+        return False
+    try:
+        n, rank = int(os.environ[ENV[1]]), int(os.environ[ENV[2]])
+    except (KeyError, ValueError):
+        raise JaxdecError(f"{ENV[0]} is set: {ENV[1]} and {ENV[2]} must be integers") from None
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=rank)
+    return True
 
 
 # ---------------------------------------------------------------------------- rules
@@ -235,6 +258,21 @@ def place(host_tree, shardings, dtype=None):
             tuple(a.shape), s, lambda idx: np.ascontiguousarray(np.asarray(a[idx]).astype(out)))
 
     return jax.tree.map(one, host_tree, shardings, is_leaf=lambda x: x is None)
+
+
+def to_host(tree):
+    """numpy copies of the arrays in `tree`, also when they span other processes' devices
+    (a replicated array is read from a local copy; a split one is gathered)."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 
 def device_bytes(tree) -> dict[Any, int]:
