@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "GenerateResult": "jaxdec.api", "Model": "jaxdec.api", "generate": "jaxdec.api",
     "load": "jaxdec.api", "save": "jaxdec.api", "score": "jaxdec.api",
+    "init_cache": "jaxdec.api", "shard": "jaxdec.api", "mesh_decode_step": "jaxdec.api",
     "ModelConfig": "jaxdec.config", "RopeScaling": "jaxdec.config",
     "JaxdecError": "jaxdec.errors",
     "Greedy": "jaxdec.sampling", "MinP": "jaxdec.sampling", "Sample": "jaxdec.sampling",
@@ -19,7 +20,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from jaxdec.api import GenerateResult, Model, generate, load, save, score
+    from jaxdec.api import (GenerateResult, Model, generate, init_cache, load, mesh_decode_step,
+                            save, score, shard)
     from jaxdec.config import ModelConfig, RopeScaling
     from jaxdec.errors import JaxdecError
     from jaxdec.sampling import Greedy, MinP, Sample, Temperature, TopK, TopP

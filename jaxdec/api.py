@@ -137,6 +137,18 @@ def init_cache(model: Model, batch: int, max_len: int) -> dense.KVCache:
                             shardings=sharding.cache_shardings(model.cfg, model.mesh, rules))
 
 
+def mesh_decode_step(model: Model, sampler: Sampler = Greedy()):
+    """`decode.decode_step` for a model on a mesh, jitted with explicit input and output
+    shardings (`decode.sharded_decode_step`): step(params, cache, last_tokens, rng) ->
+    (next tokens, cache), the cache (from `init_cache`) donated and returned in its layout."""
+    if model.mesh is None:
+        raise JaxdecError("mesh_decode_step needs a model loaded with mesh=...")
+    rules = sharding.rules_for(model.cfg, model.mesh)
+    return decode.sharded_decode_step(model.mesh, _layout(model.cfg, model.mesh, model.params),
+                                      sharding.cache_shardings(model.cfg, model.mesh, rules),
+                                      sampler, model.cfg)
+
+
 def _run(model: Model, fn, *args, **static):
     """A jitted `fn`: through the executable cache on one device; on a mesh, traced under
     it (`jax.set_mesh`: the model's code sees how the mesh splits)."""

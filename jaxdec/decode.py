@@ -63,6 +63,47 @@ def decode_step(params, cache: dense.KVCache, last_tokens, rng, sampler: Sampler
     return _step(params, cache, last_tokens, active, rng, sampler, cfg)
 
 
+def sharded_decode_step(mesh, params_shardings, cache_shardings, sampler: Sampler,
+                        cfg: ModelConfig):
+    """`decode_step` jitted for `mesh` with explicit input and output shardings (params and
+    cache as laid out by `jaxdec.sharding`, the tokens' rows over `data`, the key
+    replicated), the cache donated, and traced under the mesh (`jax.set_mesh`) so the
+    model's code sees how it is split. Returns step(params, cache, last_tokens, rng)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = NamedSharding(mesh, PartitionSpec("data" if "data" in mesh.shape else None))
+    step = jax.jit(partial(decode_step.__wrapped__, sampler=sampler, cfg=cfg),
+                   in_shardings=(params_shardings, cache_shardings, rows, NamedSharding(mesh, PartitionSpec())),
+                   out_shardings=(rows, cache_shardings), donate_argnums=1,
+                   compiler_options=COMPILER_OPTIONS)
+
+    def run(params, cache, last_tokens, rng):
+        with jax.set_mesh(mesh):
+            return step(params, cache, last_tokens, rng)
+
+    return run
+
+
+def data_parallel_decode_step(mesh, sampler: Sampler, cfg: ModelConfig):
+    """The pmap layout without `jax.pmap` (legacy in current JAX): `decode_step` itself,
+    unchanged, mapped by `shard_map` over the mesh's `data` axis. Each device holds the
+    whole model (params replicated) and its rows of the cache and the batch, and runs the
+    single-device program (the CPU kernels included: inside shard_map the axes are manual),
+    with no collectives. Returns step(params, cache, last_tokens, rng); the key is shared,
+    so each device's rows sample as the same rows would in one program only under greedy
+    decoding (a sampler's draws depend on the row count)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdec.pytree import LogicalRules
+
+    rows = P("data")
+    cache_spec = sharding.cache_specs(cfg, LogicalRules((("batch", "data"),)))
+    local = partial(decode_step.__wrapped__, sampler=sampler, cfg=cfg)  # the body, unjitted
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), cache_spec, rows, P()),
+                           out_specs=(rows, cache_spec), check_vma=False)
+    return jax.jit(mapped, donate_argnums=1, compiler_options=COMPILER_OPTIONS)
+
+
 @partial(jax.tree_util.register_dataclass,
          data_fields=["step", "last", "active", "n_generated", "stopped", "tokens"],
          meta_fields=[])

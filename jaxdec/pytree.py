@@ -7,23 +7,29 @@ leaves are `ParamSpec`s (shape, logical axes, initializer). From that one declar
 - `abstract_params(decl, dtype)` gives `jax.ShapeDtypeStruct`s (orbax restore, eval_shape);
 - `logical_axes(decl)` and `partition_specs(decl, rules)` give the sharding layout.
 
-Logical axis names used by the models (documented here, next to the rules that map them):
+Logical axis names used by the models (documented here, next to the rules that map them),
+and the mesh axis each goes to on a device mesh (`jaxdec.sharding.rules_for`; "-" is
+replicated; a model axis that does not divide the heads, MLP or expert units is an error):
 
-    vocab     V   vocabulary rows of the embedding / columns of the LM head
-    embed     D   the model (residual) dimension
-    q_heads   N   query heads
-    kv_heads  K   key/value heads
-    head_dim  H   per-head features
-    mlp       F   feed-forward hidden units
-    norm          the D of a norm scale (kept replicated by default)
-    q_lora        MLA's low-rank query dimension
-    kv_lora       MLA's latent (and, for kv_a, the latent plus the shared RoPE key)
-    expert    E   routed experts of a MoE layer
-    expert_mlp    the hidden units of one expert
-    mamba_in      Mamba2's fused in-projection outputs (z, x, B, C, dt)
-    mamba_conv    Mamba2's conv channels (x, B, C)
-    mamba_inner   Mamba2's inner channels (heads x head dim)
-    mamba_heads   Mamba2's heads (dt bias, A, D)
+    name          letter  what                                            mesh axis
+    batch         B       rows of a batch (caches, tokens)                data
+    vocab         V       vocabulary rows of the embedding / LM head      model, if it divides V
+    embed         D       the model (residual) dimension                  -
+    q_heads       N       query heads                                     model
+    kv_heads      K       key/value heads (and the KV cache's)            model if it divides K, else -
+    head_dim      H       per-head features                               -
+    mlp           F       feed-forward hidden units                       model
+    norm                  the D of a norm scale                           -
+    q_lora                MLA's low-rank query dimension                  -
+    kv_lora               MLA's latent (kv_a: latent plus RoPE key)       -  (the latent cache is
+                          shared by all heads)
+    expert        E       routed experts of a MoE layer                   expert
+    expert_mlp            the hidden units of one expert                  model
+    mamba_in              Mamba2's fused in-projection outputs            -  (Mamba2 mixers run
+    mamba_conv            Mamba2's conv channels (x, B, C)                -   replicated over
+    mamba_inner           Mamba2's inner channels (heads x head dim)      -   `model`: the fused
+    mamba_heads           Mamba2's heads (dt bias, A, D)                  -   projection does not
+                                                                              split by head)
 
 Weights are laid out for the contraction: a linear map is stored (in, out), because XLA's
 CPU backend streams `x @ W` with W stored (K, N) several times faster than `x @ W.T`.

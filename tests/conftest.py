@@ -8,6 +8,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# 8 CPU devices (faked by XLA) for the sharding tests; single-device code runs on the first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
 REAL_MODELS = ["smollm2", "qwen2.5-coder-0.5b"]
 
