@@ -14,6 +14,8 @@ persistent cache: see `_compile`), then stores it.
     out = exec_cache.call(decode.start, *args, sampler=..., cfg=..., ...)
 
 Until `enable` is called, `call(fn, *args, **static)` is plain `fn(*args, **static)`.
+Entries are single-device programs, loaded onto the first local device: a model on a
+device mesh calls its jitted functions directly (`api._run`).
 Dynamic arguments go positionally, static ones by keyword; donation works as declared by
 the jit. Entries are written atomically (temporary file, then rename); an entry that
 cannot be read, fails its checksum or belongs to another key is ignored and rewritten.
@@ -201,7 +203,10 @@ def _read(digest: str, key: str) -> jax.stages.Compiled | None:
         if entry["key"] != key or hashlib.sha256(payload).hexdigest() != entry["sha256"]:
             raise ValueError("stale or damaged entry")
         serialized, in_tree, out_tree = pickle.loads(payload)
-        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        # the entries are single-device programs (mesh runs bypass the cache); without the
+        # device named, a process with several devices would load one onto all of them
+        return serialize_executable.deserialize_and_load(
+            serialized, in_tree, out_tree, execution_devices=jax.local_devices()[:1])
     except Exception:  # noqa: BLE001 -- any damage means a miss; the entry is rewritten
         stats["bad"] += 1
         return None

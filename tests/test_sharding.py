@@ -155,6 +155,20 @@ def test_sharded_decode_step_with_explicit_shardings_and_pmap_style_shard_map():
     np.testing.assert_array_equal(run(dp, decode.data_parallel_decode_step(dp.mesh, Greedy(), dp.cfg)), want)
 
 
+def test_sampling_and_scoring_on_a_mesh(smollm2_reference):
+    """Sampled tokens (temperature, top-p; the same key) and scores on model=3 equal the
+    single-device run's: random bits do not depend on the layout."""
+    single, _ = smollm2_reference
+    model = jaxdec.load("smollm2", mesh="data=2,model=3")
+    sampler = jaxdec.Sample(temperature=0.8, top_p=0.9)
+    want = api.generate(single, PROMPTS, max_new_tokens=12, sampler=sampler, seed=7).token_ids
+    assert api.generate(model, PROMPTS, max_new_tokens=12, sampler=sampler, seed=7).token_ids == want
+    rows = [[1, 504, 3458, 17, 9], [42, 7]]
+    want = api.score(single, rows)
+    got = api.score(model, rows)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.nanmax(np.abs(want)))
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -243,6 +257,9 @@ def test_two_processes_match_one(tiny_dirs):
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and len(one.stdout.strip()) > 0
     assert "2 process(es)" in two.stderr
+    streamed = subprocess.run([sys.executable, *cli[:-1], "--mesh", "data=2,model=3"],
+                              capture_output=True, text=True, cwd=ROOT)
+    assert streamed.returncode == 0 and streamed.stdout == one.stdout, streamed.stderr[-2000:]
 
     rows = [[5, 17, 3, 99, 42], [7, 7, 1]]
     src = tiny_dirs["qwen2_moe"]
