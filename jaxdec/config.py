@@ -150,9 +150,11 @@ class MambaConfig:
         return self.d_inner + 2 * self.n_groups * self.d_state
 
     def state_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
-        """One layer's decode state per row, the same at any length: the conv window (in the
-        activation dtype) and the SSM state (float32)."""
-        return {"conv": (batch, self.d_conv - 1, self.conv_dim),
+        """One layer's decode state per row, the same at any length: the conv windows (in the
+        activation dtype) of the x channels (by head) and of the B, C channels (by group),
+        and the SSM state (float32)."""
+        return {"conv_x": (batch, self.d_conv - 1, self.n_heads, self.head_dim),
+                "conv_bc": (batch, self.d_conv - 1, 2, self.n_groups, self.d_state),
                 "ssm": (batch, self.n_heads, self.head_dim, self.d_state)}
 
 

@@ -18,6 +18,7 @@ from jaxdec.config import RopeScaling
 from jaxdec.quant import cpu_kernel
 from jaxdec.quant.matmul import qmatmul
 from jaxdec.quant.qarray import QArray
+from jaxdec.sharding import split_axes
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding) stay finite instead of NaN
 
@@ -41,6 +42,10 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
         if w.n_in != n_in:
             raise ValueError(f"linear: QArray contracts {w.n_in} axes, not {n_in}")
         y = qmatmul(x.reshape(-1, k), w)
+    elif split_axes():  # on a mesh: one dot_general over w's own axes, which the SPMD
+        # partitioner splits as they are (flattening a split axis that is not the major
+        # one of its fold, as Mamba's [D, 2, groups, state], would gather the weight)
+        return jnp.tensordot(x, w, axes=n_in, preferred_element_type=jnp.float32).astype(dtype or x.dtype)
     else:  # the CPU kernel for few rows (decode), XLA's dot otherwise
         y = cpu_kernel.dense_matmul(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*x.shape[:x.ndim - n_in], *out_shape).astype(dtype or x.dtype)

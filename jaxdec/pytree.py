@@ -25,11 +25,9 @@ replicated; a model axis that does not divide the heads, MLP or expert units is 
                           shared by all heads)
     expert        E       routed experts of a MoE layer                   expert
     expert_mlp            the hidden units of one expert                  model
-    mamba_in              Mamba2's fused in-projection outputs            -  (Mamba2 mixers run
-    mamba_conv            Mamba2's conv channels (x, B, C)                -   replicated over
-    mamba_inner           Mamba2's inner channels (heads x head dim)      -   `model`: the fused
-    mamba_heads           Mamba2's heads (dt bias, A, D)                  -   projection does not
-                                                                              split by head)
+    mamba_heads           Mamba2's heads (z, x, dt, conv x channels,      model
+                          norm, out projection, SSM state)
+    mamba_groups          Mamba2's B/C groups (in-projection, conv)       model if it divides them, else -
 
 Weights are laid out for the contraction: a linear map is stored (in, out), because XLA's
 CPU backend streams `x @ W` with W stored (K, N) several times faster than `x @ W.T`.

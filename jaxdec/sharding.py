@@ -19,11 +19,13 @@ Mesh axes have fixed roles, so that a model's code can ask the mesh it is traced
                 and the k/v projections are not split; cost: K / (K / model) times the kv
                 cache bytes per device, the query heads stay split);
     vocab -> model when it divides the vocabulary, else replicated;
-    embed, head_dim, norm, q_lora, kv_lora, mamba_* -> replicated (MLA's latent cache is
-                shared by every head; Mamba2's fused in-projection does not split by head,
-                so a Mamba2 mixer runs replicated over `model`, split over `data` only).
+    mamba_heads -> model (Mamba2's heads, with their conv channels, gate and state);
+    mamba_groups -> model when it divides the B/C groups, else replicated;
+    embed, head_dim, norm, q_lora, kv_lora -> replicated (MLA's latent cache is shared by
+                every head).
 
-A model axis that does not divide the query heads, the MLP or an expert's hidden units, or
+A model axis that does not divide the query heads, the Mamba heads, the MLP or an expert's
+hidden units, or
 an expert axis that does not divide the experts, is refused with an error naming the axis
 and the sizes (jaxdec does not pad heads). Within a jit traced under a mesh with split
 axes, the CPU's C++ kernels (single-device programs) give way to XLA's ops, which the SPMD
@@ -145,6 +147,8 @@ def rules_for(cfg: ModelConfig, mesh) -> LogicalRules:
     ffns = {f for _, f in cfg.kinds}
     if mixers & {"attention", "mla"}:
         need("model", model, cfg.n_heads, "query heads")
+    if "mamba" in mixers:
+        need("model", model, cfg.mamba.n_heads, "Mamba heads")
     if "mlp" in ffns:
         need("model", model, cfg.d_ff, "MLP units")
     if "moe" in ffns:
@@ -157,7 +161,9 @@ def rules_for(cfg: ModelConfig, mesh) -> LogicalRules:
     present = lambda axis: axis if axis in size else None
     rules = [("batch", present("data")), ("q_heads", present("model")),
              ("mlp", present("model")), ("expert_mlp", present("model")),
-             ("expert", present("expert")),
+             ("expert", present("expert")), ("mamba_heads", present("model")),
+             ("mamba_groups", present("model") if cfg.mamba and cfg.mamba.n_groups % model == 0
+              else None),
              ("kv_heads", present("model") if cfg.n_kv_heads % model == 0 else None),
              ("vocab", present("model") if cfg.vocab_size % model == 0 else None)]
     return LogicalRules(tuple(rules))

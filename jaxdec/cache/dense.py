@@ -45,10 +45,12 @@ class LatentLayer:
     k_rope: jax.Array  # [B, S + 1, qk_rope_head_dim]: its rotated key, shared by all heads
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["conv", "ssm"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["conv_x", "conv_bc", "ssm"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StateLayer:
-    conv: jax.Array  # [B, d_conv - 1, conv_dim]: the last inputs of the causal conv
+    conv_x: jax.Array  # [B, d_conv - 1, n_heads, head_dim]: the last inputs of the causal conv
+    conv_bc: jax.Array  # [B, d_conv - 1, 2, n_groups, d_state]: ... of its B, C channels
     ssm: jax.Array  # f32[B, n_heads, head_dim, d_state]
 
 
@@ -93,7 +95,8 @@ def entry_shapes(cfg: ModelConfig, mixer: str | None, batch: int, max_len: int, 
                              "k_rope": ((batch, s, m.qk_rope_head_dim), dtype)}
     if mixer == "mamba":
         shapes = cfg.mamba.state_shapes(batch)
-        return StateLayer, {"conv": (shapes["conv"], dtype), "ssm": (shapes["ssm"], jnp.float32)}
+        return StateLayer, {"conv_x": (shapes["conv_x"], dtype), "conv_bc": (shapes["conv_bc"], dtype),
+                            "ssm": (shapes["ssm"], jnp.float32)}
     return None, {}
 
 
@@ -107,7 +110,8 @@ def entry_axes(mixer: str | None):
     if mixer == "mla":
         return LatentLayer(c=("batch", None, "kv_lora"), k_rope=("batch", None, None))
     if mixer == "mamba":
-        return StateLayer(conv=("batch", None, "mamba_conv"),
+        return StateLayer(conv_x=("batch", None, "mamba_heads", None),
+                          conv_bc=("batch", None, None, "mamba_groups", None),
                           ssm=("batch", "mamba_heads", None, None))
     return None
 

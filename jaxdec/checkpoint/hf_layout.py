@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxdec import quant
 from jaxdec.config import ModelConfig
-from jaxdec.models import transformer
+from jaxdec.models import mamba, transformer
 from jaxdec.pytree import ParamSpec, is_spec
 
 # arch -> (embedding, layer prefix, final norm)
@@ -46,6 +46,7 @@ class Source:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     kind: str
+    part: tuple[int, int] | None = None  # rows [start, stop) of the first HF axis only
 
 
 def _linear(name, out, inp):
@@ -82,10 +83,16 @@ def _mla(cfg: ModelConfig, pre: str) -> dict[str, Source]:
 
 
 def _mamba(cfg: ModelConfig, pre: str) -> dict[str, Source]:
+    """HF's fused in_proj and conv1d, each read in the parts jaxdec stores split."""
     m, d = cfg.mamba, cfg.d_model
-    return {"in_proj": _linear(pre + "in_proj.weight", m.d_inner + m.conv_dim + m.n_heads, d),
-            "conv_w": Source((pre + "conv1d.weight",), ((m.conv_dim, 1, m.d_conv),), "conv"),
-            "conv_b": _vector(pre + "conv1d.bias", m.conv_dim),
+    fused = Source((pre + "in_proj.weight",), ((m.d_inner + m.conv_dim + m.n_heads, d),), "linear")
+    conv_w = Source((pre + "conv1d.weight",), ((m.conv_dim, 1, m.d_conv),), "conv")
+    conv_b = _vector(pre + "conv1d.bias", m.conv_dim)
+    chans = mamba.conv_parts(m)
+    return {**{name: dataclasses.replace(fused, part=rows)
+               for name, rows in mamba.in_proj_parts(m).items()},
+            **{f"conv_{c}_w": dataclasses.replace(conv_w, part=chans[c]) for c in chans},
+            **{f"conv_{c}_b": dataclasses.replace(conv_b, part=chans[c]) for c in chans},
             "dt_bias": _vector(pre + "dt_bias", m.n_heads), "A_log": _vector(pre + "A_log", m.n_heads),
             "D": _vector(pre + "D", m.n_heads), "norm": _vector(pre + "norm.weight", m.d_inner),
             "out_proj": _linear(pre + "out_proj.weight", d, m.d_inner)}
@@ -200,16 +207,20 @@ def params_from_hf(cfg: ModelConfig, tensors, dtype=jnp.float32,
         if spec is None:
             return None
         src = table[_path(keypath)]
-        if src.kind == "linear" and src.names[0] in blocks:
+        if src.kind == "linear" and src.names[0] in blocks and src.part is None:
             qa = blocks[src.names[0]]
             return dataclasses.replace(jax.tree.map(jnp.asarray, qa), shape=spec.shape,
                                        n_in=spec.n_in)
         convert: Callable[[list[np.ndarray]], np.ndarray] = {
-            "linear": lambda ts: np.ascontiguousarray(ts[0].T),
+            # views, not copies: a sharded load copies only each device's slice
+            "linear": lambda ts: ts[0].T,
             "vector": lambda ts: ts[0],
-            "conv": lambda ts: np.ascontiguousarray(ts[0][:, 0, :].T),
+            "conv": lambda ts: ts[0][:, 0, :].T,
             "experts": lambda ts: np.stack([t.T for t in ts]),
         }[src.kind]
-        return arr(keypath, convert([tensors[n] for n in src.names]).reshape(spec.shape))
+        ts = [tensors[n] for n in src.names]
+        if src.part is not None:
+            ts = [t[slice(*src.part)] for t in ts]
+        return arr(keypath, convert(ts).reshape(spec.shape))
 
     return jax.tree_util.tree_map_with_path(one, decl, is_leaf=lambda x: x is None or is_spec(x))

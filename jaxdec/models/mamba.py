@@ -37,14 +37,19 @@ def _heads_per_group(nh: int, ng: int) -> int:
 def ssd_step(state, x, dt, A, B, C, D):
     """One token per row. state f32[B, nh, hd, ds]; x [B, nh, hd]; dt [B, nh] (after
     softplus; 0 for rows that must not advance); A [nh]; B, C [B, ng, ds]; D [nh].
-    Returns (y f32[B, nh, hd], new state)."""
-    rep = _heads_per_group(x.shape[1], B.shape[1])
+    Returns (y f32[B, nh, hd], new state). Heads are viewed as [ng, rep] (the heads of a
+    group are contiguous), so B and C broadcast over a group's heads without a copy per
+    head, and a mesh that splits groups with their heads needs no communication."""
+    b, nh, hd = x.shape
+    ng = B.shape[1]
+    rep = _heads_per_group(nh, ng)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    x, dt, Bh, Ch = f32(x), f32(dt), jnp.repeat(f32(B), rep, axis=1), jnp.repeat(f32(C), rep, axis=1)
-    decay = jnp.exp(dt * f32(A))[:, :, None, None]
-    state = decay * state + (dt[:, :, None] * x)[..., None] * Bh[:, :, None, :]
-    y = jnp.einsum("bhpn,bhn->bhp", state, Ch) + f32(D)[None, :, None] * x
-    return y, state
+    grouped = lambda a: a.reshape(b, ng, rep, *a.shape[2:])
+    x, dt, s = grouped(f32(x)), grouped(f32(dt)), grouped(state)
+    decay = jnp.exp(dt * f32(A).reshape(ng, rep))[..., None, None]
+    s = decay * s + (dt[..., None] * x)[..., None] * f32(B)[:, :, None, None, :]
+    y = jnp.einsum("bgrpn,bgn->bgrp", s, f32(C)) + f32(D).reshape(ng, rep)[None, :, :, None] * x
+    return y.reshape(b, nh, hd), s.reshape(state.shape)
 
 
 def ssd_chunked(x, dt, A, B, C, D, *, chunk: int = 64, state=None):
@@ -96,64 +101,114 @@ def ssd_chunked(x, dt, A, B, C, D, *, chunk: int = 64, state=None):
 
 def causal_conv1d(x, w, bias, conv_state, lengths):
     """Depthwise causal conv over right-padded rows, continuing from a conv-state cache.
-    x [B, T, C]; w [K, C] (tap k multiplies the input k steps before the last, reversed as
-    torch's Conv1d weight[c, 0, :]: w[K-1] is the newest tap); bias [C];
-    conv_state [B, K-1, C] (the last K-1 inputs before this chunk, oldest first);
-    lengths i32[B]: real tokens of each row in this chunk. Returns (y [B, T, C] without the
-    activation, the new conv state: the last K-1 real inputs)."""
+    x [B, T, *C]; w [K, *C] (tap k multiplies the input k steps before the last, reversed as
+    torch's Conv1d weight[c, 0, :]: w[K-1] is the newest tap); bias [*C];
+    conv_state [B, K-1, *C] (the last K-1 inputs before this chunk, oldest first);
+    lengths i32[B]: real tokens of each row in this chunk. Returns (y [B, T, *C] without the
+    activation, the new conv state: the last K-1 real inputs). The channels *C may be any
+    shape (heads x head dim, say), so that a mesh can split them by head."""
     k = w.shape[0]
-    full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, *C]
     t = x.shape[1]
-    y = sum(full[:, i:i + t, :] * w[i] for i in range(k)) + bias
+    y = sum(full[:, i:i + t] * w[i] for i in range(k)) + bias
     # new state: inputs at positions lengths .. lengths+K-2 of `full` (the last K-1 real ones)
     idx = lengths[:, None] + jnp.arange(k - 1)[None, :]
-    new_state = jnp.take_along_axis(full, idx[:, :, None], axis=1)
+    new_state = jnp.take_along_axis(full, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
     return y, new_state.astype(conv_state.dtype)
 
 
 def gated_rms_norm(y, z, w, eps: float, groups: int):
-    """Mamba2's gated RMSNorm: `layers.rms_norm` of y * silu(z) over each of `groups` equal
-    slices of the last axis. Computed in f32, returned in y.dtype."""
-    d = y.shape[-1]
-    if d % groups:
-        raise ValueError(f"{d} channels do not split into {groups} norm groups")
-    g = (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32)))
-    g = g.reshape(*y.shape[:-1], groups, d // groups)
-    out = layers.rms_norm(g, w.astype(jnp.float32).reshape(groups, d // groups), eps)
-    return out.reshape(y.shape).astype(y.dtype)
+    """Mamba2's gated RMSNorm: the RMSNorm (as `layers.rms_norm`) of y * silu(z) over each of
+    `groups` equal runs of heads. y, z [..., nh, hd]; w [nh, hd]. Computed in f32, returned
+    in y.dtype."""
+    nh, hd = y.shape[-2:]
+    if nh % groups:
+        raise ValueError(f"{nh} heads do not split into {groups} norm groups")
+    g = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    g = g.reshape(*y.shape[:-2], groups, nh // groups, hd)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=(-2, -1), keepdims=True) + eps)
+    return (w.astype(jnp.float32) * g.reshape(y.shape)).astype(y.dtype)
+
+
+def in_proj_parts(m: MambaConfig) -> dict[str, tuple[int, int]]:
+    """Where each of jaxdec's in-projections lies in the fused HF `in_proj` (its output rows:
+    z, x, B then C (group-major), dt)."""
+    di, gn = m.d_inner, m.n_groups * m.d_state
+    return {"in_z": (0, di), "in_x": (di, 2 * di), "in_bc": (2 * di, 2 * di + 2 * gn),
+            "in_dt": (2 * di + 2 * gn, 2 * di + 2 * gn + m.n_heads)}
+
+
+def conv_parts(m: MambaConfig) -> dict[str, tuple[int, int]]:
+    """The x channels and the B, C channels of the fused HF conv1d."""
+    return {"x": (0, m.d_inner), "bc": (m.d_inner, m.conv_dim)}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MixerParams:
-    in_proj: jax.Array  # [D, d_inner + conv_dim + n_heads]: z, xBC, dt
-    conv_w: jax.Array  # [d_conv, conv_dim]
-    conv_b: jax.Array  # [conv_dim]
-    dt_bias: jax.Array  # [n_heads]
-    A_log: jax.Array  # [n_heads]; A = -exp(A_log)
-    D: jax.Array  # [n_heads]
-    norm: jax.Array  # [d_inner]
-    out_proj: jax.Array  # [d_inner, D]
+    """HF's fused in-projection and conv are stored split, by head where they act per head
+    (z, x, dt) and by group for B and C, so that a mesh's `model` axis splits the mixer by
+    head like attention (`in_proj_parts`, `conv_parts` say where each part lies in HF's)."""
+
+    in_z: jax.Array  # [D, nh, hd]: the gate
+    in_x: jax.Array  # [D, nh, hd]
+    in_bc: jax.Array  # [D, 2, ng, ds]: B then C
+    in_dt: jax.Array  # [D, nh]
+    conv_x_w: jax.Array  # [d_conv, nh, hd]
+    conv_x_b: jax.Array  # [nh, hd]
+    conv_bc_w: jax.Array  # [d_conv, 2, ng, ds]
+    conv_bc_b: jax.Array  # [2, ng, ds]
+    dt_bias: jax.Array  # [nh]
+    A_log: jax.Array  # [nh]; A = -exp(A_log)
+    D: jax.Array  # [nh]
+    norm: jax.Array  # [nh, hd]
+    out_proj: jax.Array  # [nh, hd, D]
 
 
 def declare(cfg: ModelConfig) -> MixerParams:
     m, d = cfg.mamba, cfg.d_model
-    vec = lambda n, init="normal": ParamSpec((n,), ("mamba_heads",), init=init)
+    nh, hd, bc = m.n_heads, m.head_dim, (2, m.n_groups, m.d_state)
+    heads, groups = ("mamba_heads", None), (None, "mamba_groups", None)
+    vec = lambda init="normal": ParamSpec((nh,), ("mamba_heads",), init=init)
     return MixerParams(
-        in_proj=ParamSpec((d, m.d_inner + m.conv_dim + m.n_heads), ("embed", "mamba_in"), n_in=1),
-        conv_w=ParamSpec((m.d_conv, m.conv_dim), (None, "mamba_conv"), scale=0.3),
-        conv_b=ParamSpec((m.conv_dim,), ("mamba_conv",), init="zeros"),
-        dt_bias=vec(m.n_heads), A_log=vec(m.n_heads), D=vec(m.n_heads, "ones"),
-        norm=ParamSpec((m.d_inner,), ("norm",), init="ones"),
-        out_proj=ParamSpec((m.d_inner, d), ("mamba_inner", "embed"), n_in=1),
+        in_z=ParamSpec((d, nh, hd), ("embed", *heads), n_in=1),
+        in_x=ParamSpec((d, nh, hd), ("embed", *heads), n_in=1),
+        in_bc=ParamSpec((d, *bc), ("embed", *groups), n_in=1),
+        in_dt=ParamSpec((d, nh), ("embed", "mamba_heads"), n_in=1),
+        conv_x_w=ParamSpec((m.d_conv, nh, hd), (None, *heads), scale=0.3),
+        conv_x_b=ParamSpec((nh, hd), heads, init="zeros"),
+        conv_bc_w=ParamSpec((m.d_conv, *bc), (None, *groups), scale=0.3),
+        conv_bc_b=ParamSpec(bc, groups, init="zeros"),
+        dt_bias=vec(), A_log=vec(), D=vec("ones"),
+        norm=ParamSpec((nh, hd), heads, init="ones"),
+        out_proj=ParamSpec((nh, hd, d), (*heads, "embed"), n_in=2),
     )
 
 
+def from_fused(in_proj, conv_w, conv_b, dt_bias, A_log, D, norm, out_proj, cfg: MambaConfig):
+    """`MixerParams` from HF's fused layout, transposed to (in, out): in_proj [D, 2*di +
+    2*ng*ds + nh], conv_w [d_conv, conv_dim], conv_b [conv_dim], norm [di], out_proj [di, D]."""
+    parts, chans = in_proj_parts(cfg), conv_parts(cfg)
+    d, nh, hd, bc = in_proj.shape[0], cfg.n_heads, cfg.head_dim, (2, cfg.n_groups, cfg.d_state)
+    cols = lambda name, shape: in_proj[:, slice(*parts[name])].reshape(d, *shape)
+    return MixerParams(
+        in_z=cols("in_z", (nh, hd)), in_x=cols("in_x", (nh, hd)), in_bc=cols("in_bc", bc),
+        in_dt=cols("in_dt", (nh,)),
+        conv_x_w=conv_w[:, slice(*chans["x"])].reshape(-1, nh, hd),
+        conv_x_b=conv_b[slice(*chans["x"])].reshape(nh, hd),
+        conv_bc_w=conv_w[:, slice(*chans["bc"])].reshape(-1, *bc),
+        conv_bc_b=conv_b[slice(*chans["bc"])].reshape(bc),
+        dt_bias=dt_bias, A_log=A_log, D=D, norm=norm.reshape(nh, hd),
+        out_proj=out_proj.reshape(nh, hd, -1))
+
+
 def init_state(cfg: MambaConfig, batch: int, dtype=jnp.float32):
-    """(conv_state [B, d_conv-1, conv_dim], ssm_state f32[B, n_heads, head_dim, d_state]):
-    the per-row decode state of one Mamba layer, the same size at any sequence length."""
+    """((conv_x [B, d_conv-1, nh, hd], conv_bc [B, d_conv-1, 2, ng, ds]), ssm_state
+    f32[B, nh, hd, ds]): the per-row decode state of one Mamba layer, the same size at any
+    sequence length."""
     shapes = cfg.state_shapes(batch)
-    return jnp.zeros(shapes["conv"], dtype), jnp.zeros(shapes["ssm"], jnp.float32)
+    return ((jnp.zeros(shapes["conv_x"], dtype), jnp.zeros(shapes["conv_bc"], dtype)),
+            jnp.zeros(shapes["ssm"], jnp.float32))
 
 
 def block(x, p: MixerParams, positions, entry: dense.StateLayer | None, cfg: ModelConfig):
@@ -164,23 +219,23 @@ def block(x, p: MixerParams, positions, entry: dense.StateLayer | None, cfg: Mod
     if entry is None:
         conv, ssm = init_state(cfg.mamba, x.shape[0], x.dtype)
     else:
-        conv, ssm = entry.conv, entry.ssm
+        conv, ssm = (entry.conv_x, entry.conv_bc), entry.ssm
     y, conv, ssm = mixer(p, x, conv, ssm, lengths, cfg.mamba, cfg.norm_eps)
-    return y, (None if entry is None else dense.StateLayer(conv=conv, ssm=ssm))
+    return y, (None if entry is None else dense.StateLayer(conv_x=conv[0], conv_bc=conv[1], ssm=ssm))
 
 
 def mixer(p: MixerParams, x, conv_state, ssm_state, lengths, cfg: MambaConfig, eps: float):
     """x [B, T, D], right-padded (row b has lengths[b] real tokens; 0 leaves a row's state as
-    it was) -> (y [B, T, D] in x.dtype, conv_state, ssm_state). T == 1 is the decode step."""
+    it was); conv_state (conv_x, conv_bc) -> (y [B, T, D] in x.dtype, conv_state,
+    ssm_state). T == 1 is the decode step."""
     b, t, _ = x.shape
-    zxbcdt = layers.linear(x, p.in_proj)
-    z, xbc, dt = jnp.split(zxbcdt, [cfg.d_inner, cfg.d_inner + cfg.conv_dim], axis=-1)
-    xbc, conv_state = causal_conv1d(xbc, p.conv_w, p.conv_b, conv_state, lengths)
-    xbc = jax.nn.silu(xbc)
-    xs, B, C = jnp.split(xbc, [cfg.d_inner, cfg.d_inner + cfg.n_groups * cfg.d_state], axis=-1)
-    xs = xs.reshape(b, t, cfg.n_heads, cfg.head_dim)
-    B = B.reshape(b, t, cfg.n_groups, cfg.d_state)
-    C = C.reshape(b, t, cfg.n_groups, cfg.d_state)
+    z = layers.linear(x, p.in_z)  # [B, T, nh, hd]
+    xs, conv_x = causal_conv1d(layers.linear(x, p.in_x), p.conv_x_w, p.conv_x_b, conv_state[0], lengths)
+    bc, conv_bc = causal_conv1d(layers.linear(x, p.in_bc), p.conv_bc_w, p.conv_bc_b, conv_state[1],
+                                lengths)
+    xs, bc = jax.nn.silu(xs), jax.nn.silu(bc)
+    B, C = bc[:, :, 0], bc[:, :, 1]  # [B, T, ng, ds]
+    dt = layers.linear(x, p.in_dt)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
     dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
     dt = jnp.where(jnp.arange(t)[None, :, None] < lengths[:, None, None], dt, 0.0)
@@ -190,6 +245,5 @@ def mixer(p: MixerParams, x, conv_state, ssm_state, lengths, cfg: MambaConfig, e
         y = y[:, None]
     else:
         y, ssm_state = ssd_chunked(xs, dt, A, B, C, p.D, chunk=min(cfg.chunk, t), state=ssm_state)
-    y = gated_rms_norm(y.reshape(b, t, cfg.d_inner).astype(x.dtype), z, p.norm, eps,
-                       cfg.n_groups)
-    return layers.linear(y, p.out_proj), conv_state, ssm_state
+    y = gated_rms_norm(y.astype(x.dtype), z, p.norm, eps, cfg.n_groups)
+    return layers.linear(y, p.out_proj, n_in=2), (conv_x, conv_bc), ssm_state
