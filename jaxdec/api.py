@@ -120,9 +120,8 @@ def shard(model: Model, mesh) -> Model:
     sharding rules of its config (`jaxdec.sharding`); moves arrays device to device. To
     read a checkpoint straight onto its shards, pass `mesh=` to `load` instead."""
     mesh = sharding.make_mesh(mesh)
-    rules = sharding.rules_for(model.cfg, mesh)
-    shardings = sharding.param_shardings(transformer.declare(model.cfg), model.params, mesh, rules)
-    return dataclasses.replace(model, params=jax.device_put(model.params, shardings), mesh=mesh)
+    params = jax.device_put(model.params, _layout(model.cfg, mesh, model.params))
+    return dataclasses.replace(model, params=params, mesh=mesh)
 
 
 def init_cache(model: Model, batch: int, max_len: int) -> dense.KVCache:

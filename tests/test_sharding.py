@@ -5,6 +5,7 @@ refused by name; and a 2-process run matches one process."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import pathlib
@@ -30,6 +31,26 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 TINY = ["deepseek_v3", "qwen2_moe", "nemotron_h"]  # MLA+MoE, MoE with gated shared expert, hybrid
 TINY_LAYOUTS = ["model=4", "data=2,model=4", "expert=4", "data=8"]
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _room():
+    """Data-parallel layouts hold a copy of the model per device (4.4 GB for SmolLM2 on
+    data=8): drop the session's cached models of the other test modules first (the HF
+    torch models and Qwen's weights, several GB), and collect between tests."""
+    import conftest
+
+    conftest.hf_model.cache_clear()
+    conftest.jax_model.cache_clear()
+    gc.collect()
+    yield
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _collect():
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +174,8 @@ def test_sharded_decode_step_with_explicit_shardings_and_pmap_style_shard_map():
     want = run(single, lambda p, c, t, k: decode.decode_step(p, c, t, k, Greedy(), single.cfg))
     tp = jaxdec.load("smollm2", mesh="data=2,model=3")
     np.testing.assert_array_equal(run(tp, jaxdec.mesh_decode_step(tp, Greedy())), want)
+    del tp
+    gc.collect()
     dp = jaxdec.load("smollm2", mesh="data=8")
     np.testing.assert_array_equal(run(dp, decode.data_parallel_decode_step(dp.mesh, Greedy(), dp.cfg)), want)
 
