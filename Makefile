@@ -13,7 +13,7 @@ demo: $(VENV)/.demo
 		--prompt "$(DEMO_PROMPT)"
 
 test: $(VENV)/.test models corpora
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 models: $(VENV)/.demo
 	$(JAXDEC) fetch qwen2.5-coder-0.5b
