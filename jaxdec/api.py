@@ -148,6 +148,12 @@ def mesh_decode_step(model: Model, sampler: Sampler = Greedy()):
                                       sampler, model.cfg)
 
 
+def _idle_rows(model: Model, n: int) -> int:
+    """Rows to add to a batch of `n` so that it splits over the mesh's `data` axis (score
+    and generate fill them with padding and drop their results)."""
+    return -n % dict(model.mesh.shape).get("data", 1) if model.mesh is not None else 0
+
+
 def _run(model: Model, fn, *args, **static):
     """A jitted `fn`: through the executable cache on one device; on a mesh, traced under
     it (`jax.set_mesh`: the model's code sees how the mesh splits)."""
@@ -272,9 +278,9 @@ def score(model: Model, token_ids) -> np.ndarray:
     steps = np.arange(tokens.shape[1])[None]
     positions = np.where(steps < lens[:, None], steps, -1).astype(np.int32)
     if model.mesh is not None:
-        data = dict(model.mesh.shape).get("data", 1)
-        tokens = np.concatenate([tokens, np.zeros((-len(rows) % data, tokens.shape[1]), np.int32)])
-        positions = np.concatenate([positions, np.full((-len(rows) % data, tokens.shape[1]), -1, np.int32)])
+        idle = _idle_rows(model, len(rows))  # padding positions: the rows see nothing
+        tokens = np.concatenate([tokens, np.zeros((idle, tokens.shape[1]), np.int32)])
+        positions = np.concatenate([positions, np.full((idle, tokens.shape[1]), -1, np.int32)])
         with jax.set_mesh(model.mesh):
             logits = np.array(sharding.to_host(_score(model.params, tokens, positions, model.cfg)))[:len(rows)]
     else:
@@ -346,8 +352,7 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
     _check_ids(rows, model.cfg.vocab_size)
     n_rows = len(rows)
     if model.mesh is not None:  # fill the `data` axis with idle rows (token limit 0)
-        data = dict(model.mesh.shape).get("data", 1)
-        rows = rows + [rows[0]] * (-n_rows % data)
+        rows = rows + [rows[0]] * _idle_rows(model, n_rows)
     tokens, lens = _pad(rows, 32)
     _check_context(model.cfg, int(lens.max()), max_new_tokens)
     capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)

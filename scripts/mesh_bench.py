@@ -18,6 +18,7 @@ The greedy tokens of every layout are checked against the single-device run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def xla_only(name: str, args) -> dict:
            "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--single-only"]
     out = subprocess.run(cmd, env=dict(os.environ, JAXDEC_CPU_KERNEL="0"), capture_output=True,
                          text=True, check=True).stdout
-    return eval(out.strip().splitlines()[-1])  # noqa: S307 (our own repr of a dict of floats)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -117,7 +118,7 @@ def main() -> None:
     for name in args.models.split(","):
         single = run(model_of(name), args.batch, args.prompt_len, args.new_tokens)
         if args.single_only:
-            print(repr({k: v for k, v in single.items() if k != "tokens"}))
+            print(json.dumps({k: v for k, v in single.items() if k != "tokens"}))
             return
         plain = xla_only(name, args)
         print(f"\n{name}: batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new "
