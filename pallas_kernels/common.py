@@ -1,0 +1,172 @@
+"""What every kernel folder shares: the dispatch contract, the online softmax of the
+attention kernels, the merge of partial softmaxes, and the bytes-moved record.
+
+Dispatch contract (every op's `api.py`):
+- `implementation="xla"` runs the op's pure-jnp reference path (any backend);
+- `implementation="pallas"` runs a kernel: the GPU body (Pallas on Triton) or the TPU body
+  (Pallas on Mosaic TPU), chosen by `platform` ("gpu" | "tpu"; default: the backend's);
+- `interpret=True` runs that body in Pallas interpret mode, on any backend (the CPU tests);
+  on the CPU without it (and without an explicit `platform`, as `jax.export` lowerings for
+  cuda and tpu pass) the call raises a one-line `KernelError`, never a silent fallback.
+
+Attention layout (one letter vocabulary, `jaxdec.layers`): B rows, N query heads, K kv heads,
+G = N // K query heads per kv head (head n reads kv head n // G), H head dim, S slots.
+Scores and softmax are in float32; masked scores never enter the softmax (their
+probabilities are set to 0, not exp(-big)), so a row that sees nothing gives output 0 and
+log-sum-exp -inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdec.errors import JaxdecError
+
+IMPLEMENTATIONS = ("xla", "pallas")
+PLATFORMS = ("gpu", "tpu")
+MASKED = -1e30  # the running max of a row that has seen nothing yet (finite: no inf - inf)
+
+
+class KernelError(JaxdecError):
+    """A kernel asked for with arguments it cannot take (raised at trace time)."""
+
+
+def check(cond: bool, op: str, msg: str):
+    """Raise `KernelError("op: msg")` unless `cond`."""
+    if not cond:
+        raise KernelError(f"{op}: {msg}")
+
+
+def resolve(op: str, implementation: str, interpret: bool, platform: str | None) -> str | None:
+    """The platform whose body runs ("gpu" | "tpu"), or None for the XLA path."""
+    check(implementation in IMPLEMENTATIONS, op,
+          f"implementation={implementation!r}, expected one of {IMPLEMENTATIONS}")
+    if implementation == "xla":
+        return None
+    if platform is None:  # the default backend's body; an explicit platform is trusted
+        backend = jax.default_backend()  # (that is how `jax.export` lowers for cuda and tpu)
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
+        if platform not in PLATFORMS:
+            check(interpret, op, f"there is no Pallas kernel for the {backend} backend: pass "
+                  "interpret=True (Pallas interpret mode) or implementation='xla'")
+            platform = "tpu"
+    check(platform in PLATFORMS, op, f"platform={platform!r}, expected one of {PLATFORMS}")
+    return platform
+
+
+def check_dtype(op: str, name: str, x, allowed) -> None:
+    allowed = tuple(np.dtype(d) for d in allowed)
+    check(np.dtype(x.dtype) in allowed, op,
+          f"{name} has dtype {np.dtype(x.dtype).name}, expected one of "
+          f"{', '.join(d.name for d in allowed)}")
+
+
+def check_shape(op: str, name: str, x, shape: tuple) -> None:
+    check(tuple(x.shape) == tuple(shape), op, f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
+def check_head_dim(op: str, h: int, platform: str | None) -> None:
+    """Head dims the kernels tile: a multiple of 16 (so int4 halves stay lane-aligned on
+    the GPU too); on the GPU (Triton tiles) also a power of two up to 256."""
+    if platform is None:
+        return
+    check(h % 16 == 0, op, f"head_dim={h} must be a multiple of 16 for the Pallas kernel")
+    if platform == "gpu":
+        check(h <= 256 and h & (h - 1) == 0, op,
+              f"head_dim={h} must be a power of two <= 256 for the GPU kernel")
+
+
+def check_block(op: str, name: str, block: int, platform: str | None) -> None:
+    """A key block: a multiple of 128 on the TPU (lanes of the transposed tiles), a power
+    of two >= 16 on the GPU (Triton's dot)."""
+    if platform == "tpu":
+        check(block > 0 and block % 128 == 0, op, f"{name}={block} must be a multiple of 128 on the TPU")
+    elif platform == "gpu":
+        check(block >= 16 and block & (block - 1) == 0, op,
+              f"{name}={block} must be a power of two >= 16 on the GPU")
+
+
+def gpu_group_rows(g: int) -> int:
+    """Query rows per kv head on the GPU: Triton's dot wants at least 16, a power of two."""
+    return max(16, 1 << (g - 1).bit_length())
+
+
+def softmax_step(carry, q, k, v, span, scale: float, v_hs: bool = False):
+    """One key block of online (flash) softmax attention, all in float32.
+
+    carry: (m [G, 1] running max, l [G, 1] running sum, acc [G, H] unnormalised output);
+    q: [G, H]; k: [S_b, H]; v: [S_b, H], or [H, S_b] when `v_hs` (the dense cache's V);
+    span: (start, lo, hi): the block holds slots start .. start + S_b - 1, of which those in
+    [lo, hi) are visible. Invisible keys get probability exactly 0 and their values are
+    zeroed first: a block may run past the written slots, whose contents are arbitrary.
+    """
+    m, l, acc = carry
+    start, lo, hi = span
+    n = k.shape[0]
+    visible = lambda shape, axis: ((start + jax.lax.broadcasted_iota(jnp.int32, shape, axis) >= lo)
+                                   & (start + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < hi))
+    dt = jnp.promote_types(q.dtype, k.dtype)
+    s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    valid = visible((1, n), 1)
+    s = jnp.where(valid, s * scale, MASKED)
+    m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    v = jnp.where(valid if v_hs else visible((n, 1), 0), v.astype(jnp.float32), 0.0)
+    pv = jax.lax.dot_general(p, v, (((1,), (1 if v_hs else 0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    return m_new, alpha * l + p.sum(axis=1, keepdims=True), alpha * acc + pv
+
+
+def finish(m, l, acc):
+    """(output [.., H] f32, log-sum-exp [.., 1] f32) from a finished carry; rows that saw
+    nothing give 0 and -inf."""
+    seen = l > 0
+    out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
+    return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def merge(outs: jax.Array, lses: jax.Array, axis: int):
+    """Merge partial attentions over disjoint key sets along `axis`: outs [..., P, ..., H]
+    with lses [..., P, ..., 1] (-inf where a part saw nothing) -> (out, lse) without it."""
+    top = jnp.max(lses, axis=axis, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lses - top)  # 0 for the empty parts
+    total = jnp.sum(w, axis=axis, keepdims=True)
+    out = jnp.sum(outs * w, axis=axis, keepdims=True) / jnp.where(total > 0, total, 1.0)
+    lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return jnp.squeeze(out, axis), jnp.squeeze(lse, axis)
+
+
+def group_queries(q: jax.Array, k_heads: int) -> jax.Array:
+    """[B, N, H] -> [B, K, G, H]: the query heads that read each kv head."""
+    b, n, h = q.shape
+    return q.reshape(b, k_heads, n // k_heads, h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """What one call must move between HBM and the cores, from shapes (and lengths):
+    `read` (inputs: only the slots, pages or blocks a kernel has to touch) and `written`.
+    Divided by the measured copy bandwidth it is the floor the kernel is timed against."""
+
+    read: int
+    written: int
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+    def floor_s(self, bandwidth: float) -> float:
+        """The time this many bytes take at `bandwidth` bytes/s."""
+        return self.total / bandwidth
+
+
+def nbytes(shape, dtype) -> int:
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
