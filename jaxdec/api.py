@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdec import decode, exec_cache, quant, sharding
-from jaxdec.cache import dense
+from jaxdec.cache import dense, kinds
 from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
@@ -42,6 +42,7 @@ class Model:
     source: str = ""
     tensor_types: dict[str, str] = dataclasses.field(default_factory=dict)
     mesh: Mesh | None = None  # the device mesh the params are laid out on (None: one device)
+    kv_cache: str = "dense"  # the attention layers' cache kind (`jaxdec.cache.kinds`)
 
     @property
     def dtype(self):
@@ -73,17 +74,34 @@ WEIGHTS = ("f32", "bf16", "int8", "int4", "gguf")
 
 
 def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: str | None = None,
-         active_experts: int | None = None, progress=None, mesh=None) -> Model:
+         active_experts: int | None = None, progress=None, mesh=None,
+         attention_impl: str = "xla", kv_cache: str = "dense") -> Model:
     """Load a model (see `_load`); `active_experts` runs a MoE model with that many experts
     per token instead of the number it was trained with (`with_active_experts`).
+
+    `attention_impl` ("xla" | "pallas") is how decode steps attend, and `kv_cache`
+    ("dense" | "paged" | "int8" | "int4") what the attention layers' cache keeps
+    (`jaxdec.cache.kinds`; the Pallas kernels run in interpret mode on the CPU).
 
     `mesh` (a `jax.sharding.Mesh` or a spec such as "data=2,model=4", see
     `jaxdec.sharding`) lays the model out over devices: each parameter is read and only its
     slices are placed on their devices (from an orbax checkpoint, each process reads only
     its shards), so the whole model is never on one device; generation then runs sharded."""
+    kinds.check(kv_cache, attention_impl)
+    if mesh is not None and (kv_cache, attention_impl) != ("dense", "xla"):
+        raise JaxdecError("a mesh runs the dense KV cache with XLA attention only, for now "
+                          f"(got kv_cache={kv_cache!r}, attention_impl={attention_impl!r})")
     mesh = None if mesh is None else sharding.make_mesh(mesh)
     model = _load(source, dtype=dtype, weights=weights, progress=progress, mesh=mesh)
+    model = with_attention(model, attention_impl, kv_cache)
     return model if active_experts is None else with_active_experts(model, active_experts)
+
+
+def with_attention(model: Model, attention_impl: str = "xla", kv_cache: str = "dense") -> Model:
+    """The same weights decoding with `attention_impl` over a `kv_cache` cache (see `load`)."""
+    kinds.check(kv_cache, attention_impl)
+    cfg = dataclasses.replace(model.cfg, attention_impl=attention_impl)
+    return dataclasses.replace(model, cfg=cfg, kv_cache=kv_cache)
 
 
 def _layout(cfg: ModelConfig, mesh, params):
@@ -129,7 +147,7 @@ def init_cache(model: Model, batch: int, max_len: int) -> dense.KVCache:
     activation dtype, laid out on the model's mesh (rows over `data`, kv heads as the
     heads are split) when it has one."""
     if model.mesh is None:
-        return dense.init_cache(model.cfg, batch, max_len, model.dtype)
+        return dense.init_cache(model.cfg, batch, max_len, model.dtype, kind=model.kv_cache)
     sharding.check_batch(batch, model.mesh)
     rules = sharding.rules_for(model.cfg, model.mesh)
     return dense.init_cache(model.cfg, batch, max_len, model.dtype,

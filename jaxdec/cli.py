@@ -40,6 +40,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "model, expert); on CPU, the devices are faked by XLA")
     p.add_argument("--active-experts", type=int, default=None,
                    help="MoE models: experts per token (default: as trained)")
+    p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
+                   help="how decode steps attend: XLA, or the Pallas kernels (interpret "
+                        "mode on the CPU: slow, for checking)")
+    p.add_argument("--kv-cache", default="dense", choices=["dense", "paged", "int8", "int4"],
+                   help="the KV cache of attention layers: dense, paged (pages of 32 tokens), "
+                        "int8 or int4 (group-wise quantised, 32 channels per scale)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -56,7 +56,9 @@ def _load(args):
     mesh and the bytes each device holds go to stderr)."""
     mesh = getattr(args, "mesh", None)
     model = jaxdec.load(args.model, dtype=args.dtype, weights=args.weights,
-                        active_experts=args.active_experts, mesh=mesh)
+                        active_experts=args.active_experts, mesh=mesh,
+                        attention_impl=getattr(args, "attention_impl", "xla"),
+                        kv_cache=getattr(args, "kv_cache", "dense"))
     if model.mesh is not None:
         import jax
 

@@ -188,6 +188,9 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mamba: MambaConfig | None = None
     max_position: int = 4096
+    # How decode steps attend ("xla" | "pallas": `jaxdec.cache.kinds`); a run-time choice,
+    # static under jit like the rest of the config.
+    attention_impl: str = "xla"
     # Tokens that end a row's generation (EOS and the chat turn terminator).
     eos_ids: tuple[int, ...] = ()
     bos_id: int | None = None
@@ -199,6 +202,8 @@ class ModelConfig:
         if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.attention_impl not in ("xla", "pallas"):
+            raise ValueError(f"unknown attention implementation {self.attention_impl!r} (xla or pallas)")
         if self.mlp_act not in ("silu", "relu2"):
             raise ValueError(f"unsupported MLP activation {self.mlp_act!r} (silu or relu2)")
         if self.layer_types and len(self.layer_types) != self.n_layers:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.config import ModelConfig
+from jaxdec.errors import JaxdecError
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
@@ -59,7 +60,10 @@ def _slots(entry) -> int | None:
         return entry.k.shape[2]
     if isinstance(entry, LatentLayer):
         return entry.c.shape[1]
-    return None
+    if entry is None or isinstance(entry, StateLayer):
+        return None
+    from jaxdec.cache import kinds  # paged and quantised attention entries
+    return kinds.n_slots(entry)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["layers", "lengths"], meta_fields=[])
@@ -117,10 +121,16 @@ def entry_axes(mixer: str | None):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
-               shardings: KVCache | None = None) -> KVCache:
+               shardings: KVCache | None = None, kind: str = "dense", **options) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` tokens, one entry per layer;
     laid out by `shardings` (`jaxdec.sharding.cache_shardings`) when given, each device
-    allocating only its own shard."""
+    allocating only its own shard. `kind` picks the attention layers' entries (dense,
+    paged, int8, int4: `jaxdec.cache.kinds`; `options` such as page_size go to them)."""
+    if kind != "dense":
+        from jaxdec.cache import kinds
+        kinds.check(kind, "xla")
+        if shardings is not None:
+            raise JaxdecError(f"a {kind} KV cache is not laid out on a mesh yet: use the dense one")
     # Host zeros copied to the device, one buffer at a time: jnp.zeros compiles a program
     # per shape (~50 ms of a CLI start). may_alias=False: an aliased host buffer would be
     # copied when the cache is first donated instead of being updated in place.
@@ -131,6 +141,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
             shape, sharding, lambda idx: np.zeros(sharding.shard_shape(shape), dt))
 
     def entry(i, mixer):
+        if mixer == "attention" and kind != "dense":
+            return kinds.attention_entry(kind, cfg, batch, max_len, dtype, **options)
         cls, fields = entry_shapes(cfg, mixer, batch, max_len, dtype)
         where = shardings.layers[i] if shardings is not None else None
         return None if cls is None else cls(**{
@@ -152,7 +164,7 @@ def bytes_per_token(cfg: ModelConfig, dtype=jnp.float32) -> tuple[int, int]:
     return grow, fixed
 
 
-def _slot_index(positions: jax.Array, capacity: int) -> jax.Array:
+def slot_index(positions: jax.Array, capacity: int) -> jax.Array:
     """i32[B, T]: the slots to scatter a chunk into; padding and overflow go to scratch."""
     return jnp.where((positions >= 0) & (positions < capacity), positions, capacity)
 
@@ -170,14 +182,14 @@ def _put(buf: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Arr
 
 def write(layer: KVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVLayer:
     """Scatter new keys/values ([B, T, K, H]) into their slots; padding goes to scratch."""
-    slots = _slot_index(positions, layer.k.shape[2] - 1)
+    slots = slot_index(positions, layer.k.shape[2] - 1)
     # per row, the T new slots go along axis 1 of k [K, S, H] and axis 2 of v [K, H, S]
     return KVLayer(k=_put(layer.k, k, slots, 1), v=_put(layer.v, v, slots, 2))
 
 
 def write_latent(layer: LatentLayer, c: jax.Array, k_rope: jax.Array, positions) -> LatentLayer:
     """Scatter new latents [B, T, R] and RoPE keys [B, T, r] into their slots."""
-    slots = _slot_index(positions, layer.c.shape[1] - 1)
+    slots = slot_index(positions, layer.c.shape[1] - 1)
     return LatentLayer(c=_put(layer.c, c, slots, 0), k_rope=_put(layer.k_rope, k_rope, slots, 0))
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec import layers, quant, sharding
-from jaxdec.cache import dense
+from jaxdec.cache import dense, kinds
 from jaxdec.config import ModelConfig
 from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
@@ -151,9 +151,14 @@ def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, 
         chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), dense.chunk_mask(positions))
         if kv is None:  # attend within the chunk only
             out = layers.attention(q, chunk)
+        elif q.shape[1] == 1 and (cfg.attention_impl != "xla" or not isinstance(kv, dense.KVLayer)):
+            # a decode step through the kernel op of the entry's kind: write, then attend
+            kv = kinds.write(kv, k, v, positions)
+            seen = jnp.where(positions[:, 0] >= 0, positions[:, 0] + 1, 0)
+            out = kinds.decode_attention(q[:, 0], kv, seen, cfg.attention_impl)[:, None]
         else:  # the cache as it was before this chunk, then the chunk itself
-            out = layers.attention(q, (kv.k, kv.v, past), chunk)
-            kv = dense.write(kv, k, v, positions)
+            out = layers.attention(q, (*kinds.dense_view(kv, q.dtype), past), chunk)
+            kv = kinds.write(kv, k, v, positions)
         return layers.linear(out, p.wo, n_in=2), kv
 
 
