@@ -1,0 +1,113 @@
+"""Paged decode attention on the TPU: Pallas on Mosaic, one grid step per block of pages.
+
+Grid (row, kv head, page block), the last axis a reduction carried in VMEM scratch (the
+running max, sum and output of the online softmax). A block of `pages_per_block` pages
+comes in as that many key inputs and as many value inputs (the same pool passed again,
+each with its own index map), one [page_size, H] page each, so the pipeline fetches a
+block's pages together and no page is ever stitched to another in VMEM. The row lengths and
+the page table are prefetched into SMEM and steer the index maps:
+- page t of block n is the row's logical page n * pages_per_block + t, fetched from pool
+  page table[row, that];
+- a logical page past the row's last used page keeps the block index it had one block
+  earlier (or, in the first block, takes the last used page), and every block past the
+  last used one repeats that block's indices: the pipeline fetches nothing new, so the
+  unused table entries are never followed, and the compute of those pages is skipped.
+An empty row still fetches one page per input (its first table entry, whatever it
+holds; clamped into the pool), as every grid step has its blocks; nothing of it is used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import common
+
+
+def _kernel(
+    # scalar prefetch
+    len_ref,  # i32[B] (SMEM)
+    table_ref,  # i32[B * W] (SMEM): the page table, rows end to end
+    # inputs
+    q_ref,  # [G, H]
+    *refs,  # k pages [page_size, H] x pages_per_block, then v pages [page_size, H] x same;
+    # outputs: o f32[G, H], lse f32[G, 1]; scratch: m, l f32[G, 1], acc f32[G, H]
+    page_size: int, pages_per_block: int, scale: float,
+):
+    k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block:2 * pages_per_block]
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_block:]
+    n = pl.program_id(2)
+    length = len_ref[pl.program_id(0)]
+
+    @pl.when(n == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, common.MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    for t in range(pages_per_block):
+        start = (n * pages_per_block + t) * page_size
+
+        @pl.when(start < length)
+        def _step(k_ref=k_refs[t], v_ref=v_refs[t], start=start):
+            carry = (m_ref[...], l_ref[...], acc_ref[...])
+            m, l, acc = common.softmax_step(carry, q_ref[...], k_ref[...], v_ref[...],
+                                            (start, start, length), scale)
+            m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+
+    @pl.when(n == pl.num_programs(2) - 1)
+    def _finish():
+        out, lse = common.finish(m_ref[...], l_ref[...], acc_ref[...])
+        o_ref[...] = out
+        lse_ref[...] = lse
+
+
+def logical_page(lens_ref, row, n, t: int, page_size: int, pages_per_block: int):
+    """The logical page that input t reads at block n (see the module docstring)."""
+    last = jnp.maximum(pl.cdiv(lens_ref[row], page_size) - 1, 0)
+    block = jnp.minimum(n, jax.lax.div(last, pages_per_block))  # last >= 0: no floor needed
+    page = block * pages_per_block + t
+    earlier = jnp.where(block > 0, page - pages_per_block, last)
+    return jnp.where(page > last, earlier, page)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float, pages_per_block: int,
+                    interpret: bool):
+    """q [B, K, G, H], k_pages/v_pages [K, P, page_size, H], page_table i32[B, W] (ids in
+    [0, P)), lengths i32[B] (in [0, W * page_size]) -> (out f32[B, K, G, H], lse f32[B, K, G, 1])."""
+    b, kh, g, h = q.shape
+    page_size = k_pages.shape[2]
+    w = page_table.shape[1]
+
+    def page_spec(t: int):
+        def index(i, j, n, lens, table):
+            return (j, table[i * w + logical_page(lens, i, n, t, page_size, pages_per_block)], 0, 0)
+        return pl.BlockSpec((None, None, page_size, h), index)
+
+    fixed = lambda i, j, n, lens, table: (i, j, 0, 0)
+    pages = [page_spec(t) for t in range(pages_per_block)]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, kh, pl.cdiv(w, pages_per_block)),
+        in_specs=[pl.BlockSpec((None, None, g, h), fixed)] + pages + pages,
+        out_specs=[pl.BlockSpec((None, None, g, h), fixed),
+                   pl.BlockSpec((None, None, g, 1), fixed)],
+        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
+                        pltpu.VMEM((g, h), jnp.float32)],
+    )
+    kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
+                               scale=scale)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
+                   jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="paged_attention_tpu",
+    )(lengths, page_table.reshape(-1), q, *[k_pages] * pages_per_block, *[v_pages] * pages_per_block)
