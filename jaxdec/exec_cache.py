@@ -129,12 +129,15 @@ def _process() -> str:
 
 
 def _sources_digest() -> str:
-    """A hash of every jaxdec source file (the traced code and the kernel it calls)."""
+    """A hash of every jaxdec and pallas_kernels source file (the traced code and the
+    kernels it calls)."""
     h = hashlib.sha256()
-    files = sorted(_PACKAGE.rglob("*.py")) + sorted((_PACKAGE / "quant" / "csrc").glob("*"))
+    kernels = _PACKAGE.parent / "pallas_kernels"
+    files = (sorted(_PACKAGE.rglob("*.py")) + sorted((_PACKAGE / "quant" / "csrc").glob("*"))
+             + sorted(kernels.rglob("*.py")))
     for f in files:
         if f.is_file():
-            h.update(str(f.relative_to(_PACKAGE)).encode() + b"\0")
+            h.update(str(f.relative_to(_PACKAGE.parent)).encode() + b"\0")
             h.update(f.read_bytes() + b"\0")
     return h.hexdigest()
 

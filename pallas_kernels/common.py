@@ -97,31 +97,59 @@ def gpu_group_rows(g: int) -> int:
 
 
 def softmax_step(carry, q, k, v, span, scale: float, v_hs: bool = False):
-    """One key block of online (flash) softmax attention, all in float32.
+    """One key block of online (flash) softmax attention.
 
-    carry: (m [G, 1] running max, l [G, 1] running sum, acc [G, H] unnormalised output);
-    q: [G, H]; k: [S_b, H]; v: [S_b, H], or [H, S_b] when `v_hs` (the dense cache's V);
-    span: (start, lo, hi): the block holds slots start .. start + S_b - 1, of which those in
-    [lo, hi) are visible. Invisible keys get probability exactly 0 and their values are
-    zeroed first: a block may run past the written slots, whose contents are arbitrary.
+    carry: (m [G, 1] running max, l [G, 1] running sum, acc [G, H] unnormalised output),
+    all float32; q: [G, H]; k: [S_b, H]; v: [S_b, H], or [H, S_b] when `v_hs` (the dense
+    cache's V); span: (start, lo, hi): the block holds slots start .. start + S_b - 1, of
+    which those in [lo, hi) are visible. See `softmax_step_parts` for the numerics.
     """
     m, l, acc = carry
+    m, l, (acc,) = softmax_step_parts((m, l, (acc,)), (q,), (k,), (v,), span, scale, v_hs)
+    return m, l, acc
+
+
+def _dot(a, b, contract: tuple[int, int]):
+    """a . b over the given axes in a's dtype (b cast to it), accumulated in float32; float32
+    operands at highest precision (no TF32 rounding on the GPU)."""
+    high = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b.astype(a.dtype), (((contract[0],), (contract[1],)), ((), ())),
+                               precision=high, preferred_element_type=jnp.float32)
+
+
+def softmax_step_parts(carry, qs, ks, vs, span, scale: float, v_hs: bool = False):
+    """`softmax_step` with the head dim split into parts that are never concatenated (the
+    two nibble halves of a 4-bit cache): scores are the sum over i of qs[i] [G, H_i] .
+    ks[i] [S_b, H_i]; each value part vs[j] [S_b, H_j] ([H_j, S_b] when `v_hs`) has its
+    own accumulator. carry: (m [G, 1], l [G, 1], accs: a tuple of f32[G, H_j]).
+
+    The dots run in the query's dtype (keys, probabilities and values cast to it: bf16
+    queries use the tensor cores / MXU at full rate), accumulating in float32; the softmax
+    is float32. Invisible keys get probability exactly 0 and their values are zeroed first:
+    a block may run past the written slots, whose contents are arbitrary (even NaN).
+    """
+    m, l, accs = carry
     start, lo, hi = span
-    n = k.shape[0]
-    visible = lambda shape, axis: ((start + jax.lax.broadcasted_iota(jnp.int32, shape, axis) >= lo)
-                                   & (start + jax.lax.broadcasted_iota(jnp.int32, shape, axis) < hi))
-    dt = jnp.promote_types(q.dtype, k.dtype)
-    s = jax.lax.dot_general(q.astype(dt), k.astype(dt), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+    n = ks[0].shape[0]
+    dt = qs[0].dtype
+
+    def visible(shape, axis):
+        slot = start + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+        return (slot >= lo) & (slot < hi)
+
+    s = _dot(qs[0], ks[0], (1, 1))
+    for q, k in zip(qs[1:], ks[1:]):
+        s = s + _dot(q, k, (1, 1))
     valid = visible((1, n), 1)
     s = jnp.where(valid, s * scale, MASKED)
     m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
-    v = jnp.where(valid if v_hs else visible((n, 1), 0), v.astype(jnp.float32), 0.0)
-    pv = jax.lax.dot_general(p, v, (((1,), (1 if v_hs else 0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    return m_new, alpha * l + p.sum(axis=1, keepdims=True), alpha * acc + pv
+    rows = valid if v_hs else visible((n, 1), 0)
+    pvs = [_dot(p.astype(dt), jnp.where(rows, v.astype(dt), jnp.zeros((), dt)), (1, 1 if v_hs else 0))
+           for v in vs]
+    accs = tuple(alpha * acc + pv for acc, pv in zip(accs, pvs))
+    return m_new, alpha * l + p.sum(axis=1, keepdims=True), accs
 
 
 def finish(m, l, acc):
