@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from jaxdec.errors import JaxdecError
 
@@ -107,6 +108,14 @@ def softmax_step(carry, q, k, v, span, scale: float, v_hs: bool = False):
     m, l, acc = carry
     m, l, (acc,) = softmax_step_parts((m, l, (acc,)), (q,), (k,), (v,), span, scale, v_hs)
     return m, l, acc
+
+
+def step_parts(carry, qs, ks, vs, span, scale: float):
+    """`softmax_step_parts` on a carry whose acc is one array (one value part) or a tuple."""
+    m, l, acc = carry
+    m, l, accs = softmax_step_parts((m, l, acc if isinstance(acc, tuple) else (acc,)), qs, ks, vs,
+                                    span, scale)
+    return m, l, accs if isinstance(acc, tuple) else accs[0]
 
 
 def _dot(a, b, contract: tuple[int, int]):
@@ -198,3 +207,119 @@ class Bytes:
 
 def nbytes(shape, dtype) -> int:
     return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+# ---- the launch scaffolding the attention ops share ------------------------------------
+def split_count(rows: int, blocks: int, n_splits: int | None) -> int:
+    """GPU splits per (row, kv head): enough programs for ~2 waves on a 132-SM GPU."""
+    if n_splits is None:
+        n_splits = -(-264 // rows)
+    return max(1, min(n_splits, blocks))
+
+
+def _out_shapes(lead: tuple, g: int, h: int, parts: int):
+    """(block dims, array dims) of the output [*lead, (parts,) g, h / parts]."""
+    tail = (g, h) if parts == 1 else (parts, g, h // parts)
+    return tail, lead + tail
+
+
+def gpu_attention_call(kernel, args, in_specs, *, b: int, kh: int, g: int, h: int, splits: int,
+                       parts: int = 1, interpret: bool, name: str):
+    """Launch a split-K Triton attention kernel on grid (row, kv head, split) whose refs end
+    with o_ref f32[(parts,) Gp, H / parts] and lse_ref f32[Gp, 1] (Gp the padded query
+    rows), then merge the splits -> (out f32[B, K, G, H], lse f32[B, K, G, 1])."""
+    from jax.experimental.pallas import triton as plgpu
+
+    rows = gpu_group_rows(g)
+    tail, shape = _out_shapes((b, kh, splits), rows, h, parts)
+    at = lambda i, j, p: (i, j, p) + (0,) * len(tail)
+    out, lse = pl.pallas_call(
+        kernel, grid=(b, kh, splits), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None) + tail, at),
+                   pl.BlockSpec((None, None, None, rows, 1), lambda i, j, p: (i, j, p, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32),
+                   jax.ShapeDtypeStruct((b, kh, splits, rows, 1), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret, name=name)(*args)
+    if parts > 1:  # the head parts joined
+        out = jnp.moveaxis(out, 3, -2).reshape(b, kh, splits, rows, h)
+    out, lse = merge(out, lse, axis=2)
+    return out[:, :, :g], lse[:, :, :g]
+
+
+def gpu_init_carry(rows: int, h: int, parts: int = 1):
+    """The online-softmax carry before any key: (m, l, acc), or (m, l, accs) with parts."""
+    acc = lambda w: jnp.zeros((rows, w), jnp.float32)
+    m = jnp.full((rows, 1), MASKED, jnp.float32)
+    return (m, jnp.zeros((rows, 1), jnp.float32),
+            acc(h) if parts == 1 else tuple(acc(h // parts) for _ in range(parts)))
+
+
+def store(o_ref, lse_ref, m, l, acc):
+    """Write a finished carry (acc, or a tuple of parts) to the kernel's outputs."""
+    for i, a in enumerate(acc if isinstance(acc, tuple) else (acc,)):
+        out, lse = finish(m, l, a)
+        if isinstance(acc, tuple):
+            o_ref[i] = out
+        else:
+            o_ref[...] = out
+    lse_ref[...] = lse
+
+
+def tpu_attention_call(kernel, args, in_specs, *, grid: tuple, n_prefetch: int, g: int, h: int,
+                       parts: int = 1, interpret: bool, name: str):
+    """Launch a Mosaic attention kernel on grid (row, kv head, step), the last axis the
+    reduction, with `n_prefetch` scalar-prefetched arrays first in `args`; its refs end
+    with o_ref, lse_ref and the scratch m_ref, l_ref f32[G, 1], acc_ref f32[(parts,) G,
+    H / parts] -> (out f32[B, K, G, H], lse f32[B, K, G, 1])."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, kh, _ = grid
+    tail, shape = _out_shapes((b, kh), g, h, parts)
+    fixed = lambda i, j, n, *refs: (i, j) + (0,) * len(tail)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=n_prefetch, grid=grid, in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None) + tail, fixed),
+                   pl.BlockSpec((None, None, g, 1), lambda i, j, n, *refs: (i, j, 0, 0))],
+        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
+                        pltpu.VMEM(tail, jnp.float32)])
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32),
+                   jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret, name=name)(*args)
+    if parts > 1:
+        out = jnp.moveaxis(out, 2, -2).reshape(b, kh, g, h)
+    return out, lse
+
+
+def tpu_reduction(step, last, active, refs, body) -> None:
+    """The reduction of a Mosaic attention kernel over its last grid axis: zero the scratch
+    carry at step 0; where `active`, run `body(carry) -> carry` on the carry read from and
+    written back to scratch; store the outputs at step `last`. refs: (o_ref, lse_ref,
+    m_ref, l_ref, acc_ref), acc_ref [G, H] or [parts, G, H / parts] (then the carry's acc
+    is a tuple of parts)."""
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    parts = acc_ref.ndim == 3
+    read = lambda: tuple(acc_ref[i] for i in range(acc_ref.shape[0])) if parts else acc_ref[...]
+
+    @pl.when(step == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(active)
+    def _step():
+        m, l, acc = body((m_ref[...], l_ref[...], read()))
+        m_ref[...], l_ref[...] = m, l
+        for i, a in enumerate(acc if parts else (acc,)):
+            if parts:
+                acc_ref[i] = a
+            else:
+                acc_ref[...] = a
+
+    @pl.when(step == last)
+    def _finish():
+        store(o_ref, lse_ref, m_ref[...], l_ref[...], read())

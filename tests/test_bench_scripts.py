@@ -19,6 +19,16 @@ def test_device_bench_smoke(tmp_path):
     assert all(row["jaxdec"]["decode_tok_s"] > 0 for row in report["rows"])
 
 
+def test_device_kernels_smoke(tmp_path):
+    """scripts/device_kernels.py: every kernel checked and timed (tiny, interpret mode)."""
+    r = subprocess.run([sys.executable, "scripts/device_kernels.py", "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "device_kernels.json").read_text())
+    assert len(report["rows"]) == 7 and all(row["ok"] and row["mbytes"] > 0 for row in report["rows"])
+    assert "% of bw" in (tmp_path / "device_kernels.txt").read_text()
+
+
 def test_bench_attention_smoke():
     """scripts/bench_attention.py on tiny shapes prints the kernel and XLA side by side."""
     r = subprocess.run([sys.executable, "scripts/bench_attention.py", "--batch", "2", "--layers", "2",

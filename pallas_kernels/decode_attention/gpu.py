@@ -13,7 +13,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 
@@ -43,18 +42,7 @@ def _kernel(
         return common.softmax_step(carry, q, k, v, (start, lo, length), scale, v_hs)
 
     rows, h = q_ref.shape
-    init = (jnp.full((rows, 1), common.MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, h), jnp.float32))
-    out, lse = common.finish(*jax.lax.fori_loop(0, n_blocks, step, init))
-    o_ref[...] = out
-    lse_ref[...] = lse
-
-
-def split_count(rows: int, blocks: int, n_splits: int | None) -> int:
-    """Splits per (row, kv head): enough programs for ~2 waves on a 132-SM GPU."""
-    if n_splits is None:
-        n_splits = pl.cdiv(264, rows)
-    return max(1, min(n_splits, blocks))
+    common.store(o_ref, lse_ref, *jax.lax.fori_loop(0, n_blocks, step, common.gpu_init_carry(rows, h)))
 
 
 def decode_attention(q, k, v, lengths, *, scale: float, block_k: int, n_splits: int | None,
@@ -66,24 +54,13 @@ def decode_attention(q, k, v, lengths, *, scale: float, block_k: int, n_splits: 
     rows = common.gpu_group_rows(g)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     blocks = pl.cdiv(s, block_k)
-    splits = split_count(b * kh, blocks, n_splits)
+    splits = common.split_count(b * kh, blocks, n_splits)
     per_split = pl.cdiv(blocks, splits)
     row = lambda i, j, p: (i, j, 0, 0)
     kernel = functools.partial(_kernel, block_k=block_k, blocks_per_split=per_split, scale=scale, v_hs=v_hs)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(b, kh, splits),
-        in_specs=[pl.BlockSpec((b,), lambda i, j, p: (0,)),
-                  pl.BlockSpec((None, None, rows, h), row),
-                  pl.BlockSpec((None, None) + k.shape[2:], row),
-                  pl.BlockSpec((None, None) + v.shape[2:], row)],
-        out_specs=[pl.BlockSpec((None, None, None, rows, h), lambda i, j, p: (i, j, p, 0, 0)),
-                   pl.BlockSpec((None, None, None, rows, 1), lambda i, j, p: (i, j, p, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, kh, splits, rows, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, splits, rows, 1), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="decode_attention_gpu",
-    )(lengths, q, k, v)
-    out, lse = common.merge(out, lse, axis=2)
-    return out[:, :, :g], lse[:, :, :g]
+    in_specs = [pl.BlockSpec((b,), lambda i, j, p: (0,)),
+                pl.BlockSpec((None, None, rows, h), row),
+                pl.BlockSpec((None, None) + k.shape[2:], row),
+                pl.BlockSpec((None, None) + v.shape[2:], row)]
+    return common.gpu_attention_call(kernel, (lengths, q, k, v), in_specs, b=b, kh=kh, g=g, h=h,
+                                     splits=splits, interpret=interpret, name="decode_attention_gpu")

@@ -14,7 +14,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 
@@ -36,25 +35,13 @@ def _kernel(
     j = pl.program_id(2)
     length = len_ref[pl.program_id(0)]
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, common.MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(j * block_k < length)
-    def _step():
+    def step(carry):
         start = j * block_k
-        carry = (m_ref[...], l_ref[...], acc_ref[...])
-        m, l, acc = common.softmax_step(carry, q_ref[...], k_ref[...], v_ref[...],
-                                        (start, start, length), scale, v_hs)
-        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+        return common.softmax_step(carry, q_ref[...], k_ref[...], v_ref[...],
+                                   (start, start, length), scale, v_hs)
 
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finish():
-        out, lse = common.finish(m_ref[...], l_ref[...], acc_ref[...])
-        o_ref[...] = out
-        lse_ref[...] = lse
+    common.tpu_reduction(j, pl.num_programs(2) - 1, j * block_k < length,
+                         (o_ref, lse_ref, m_ref, l_ref, acc_ref), step)
 
 
 def last_block(lengths_ref, row, block: int):
@@ -76,25 +63,10 @@ def decode_attention(q, k, v, lengths, *, scale: float, block_k: int, v_hs: bool
 
     fixed = lambda i, j, n, lens: (i, j, 0, 0)
     v_block = (None, None, h, block_k) if v_hs else (None, None, block_k, h)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(b, kh, pl.cdiv(s, block_k)),
-        in_specs=[pl.BlockSpec((None, None, g, h), fixed),
-                  pl.BlockSpec((None, None, block_k, h), kv_map),
-                  pl.BlockSpec(v_block, v_map)],
-        out_specs=[pl.BlockSpec((None, None, g, h), fixed),
-                   pl.BlockSpec((None, None, g, 1), fixed)],
-        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                        pltpu.VMEM((g, h), jnp.float32)],
-    )
+    in_specs = [pl.BlockSpec((None, None, g, h), fixed),
+                pl.BlockSpec((None, None, block_k, h), kv_map),
+                pl.BlockSpec(v_block, v_map)]
     kernel = functools.partial(_kernel, block_k=block_k, scale=scale, v_hs=v_hs)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="decode_attention_tpu",
-    )(lengths, q, k, v)
+    return common.tpu_attention_call(kernel, (lengths, q, k, v), in_specs,
+                                     grid=(b, kh, pl.cdiv(s, block_k)), n_prefetch=1, g=g, h=h,
+                                     interpret=interpret, name="decode_attention_tpu")

@@ -17,10 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention.gpu import split_count
 
 
 def _kernel(
@@ -51,11 +49,7 @@ def _kernel(
         return common.softmax_step(carry, q, k, v, (start, start, length), scale)
 
     rows, h = q_ref.shape
-    init = (jnp.full((rows, 1), common.MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, h), jnp.float32))
-    out, lse = common.finish(*jax.lax.fori_loop(0, n_blocks, step, init))
-    o_ref[...] = out
-    lse_ref[...] = lse
+    common.store(o_ref, lse_ref, *jax.lax.fori_loop(0, n_blocks, step, common.gpu_init_carry(rows, h)))
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float, pages_per_block: int,
@@ -71,25 +65,15 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float, p
     k_pages = k_pages.reshape(kh, n_pages * page_size, h)  # free: pages are contiguous
     v_pages = v_pages.reshape(kh, n_pages * page_size, h)
     blocks = pl.cdiv(w, pages_per_block)
-    splits = split_count(b * kh, blocks, n_splits)
+    splits = common.split_count(b * kh, blocks, n_splits)
     per_split = pl.cdiv(blocks, splits)
     pool = pl.BlockSpec((None,) + k_pages.shape[1:], lambda i, j, p: (j, 0, 0))
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
                                blocks_per_split=per_split, scale=scale)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(b, kh, splits),
-        in_specs=[pl.BlockSpec((b,), lambda i, j, p: (0,)),
-                  pl.BlockSpec((None, w), lambda i, j, p: (i, 0)),
-                  pl.BlockSpec((None, None, rows, h), lambda i, j, p: (i, j, 0, 0)),
-                  pool, pool],
-        out_specs=[pl.BlockSpec((None, None, None, rows, h), lambda i, j, p: (i, j, p, 0, 0)),
-                   pl.BlockSpec((None, None, None, rows, 1), lambda i, j, p: (i, j, p, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, kh, splits, rows, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, splits, rows, 1), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="paged_attention_gpu",
-    )(lengths, page_table, q, k_pages, v_pages)
-    out, lse = common.merge(out, lse, axis=2)
-    return out[:, :, :g], lse[:, :, :g]
+    in_specs = [pl.BlockSpec((b,), lambda i, j, p: (0,)),
+                pl.BlockSpec((None, w), lambda i, j, p: (i, 0)),
+                pl.BlockSpec((None, None, rows, h), lambda i, j, p: (i, j, 0, 0)),
+                pool, pool]
+    return common.gpu_attention_call(kernel, (lengths, page_table, q, k_pages, v_pages), in_specs,
+                                     b=b, kh=kh, g=g, h=h, splits=splits, interpret=interpret,
+                                     name="paged_attention_gpu")

@@ -23,7 +23,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 
@@ -42,28 +41,17 @@ def _kernel(
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_block:]
     n = pl.program_id(2)
     length = len_ref[pl.program_id(0)]
+    first = n * pages_per_block * page_size
 
-    @pl.when(n == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, common.MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    def step(carry):  # pages past the length see nothing: no-ops of the online softmax
+        for t in range(pages_per_block):
+            start = first + t * page_size
+            carry = common.softmax_step(carry, q_ref[...], k_refs[t][...], v_refs[t][...],
+                                        (start, start, length), scale)
+        return carry
 
-    for t in range(pages_per_block):
-        start = (n * pages_per_block + t) * page_size
-
-        @pl.when(start < length)
-        def _step(k_ref=k_refs[t], v_ref=v_refs[t], start=start):
-            carry = (m_ref[...], l_ref[...], acc_ref[...])
-            m, l, acc = common.softmax_step(carry, q_ref[...], k_ref[...], v_ref[...],
-                                            (start, start, length), scale)
-            m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
-
-    @pl.when(n == pl.num_programs(2) - 1)
-    def _finish():
-        out, lse = common.finish(m_ref[...], l_ref[...], acc_ref[...])
-        o_ref[...] = out
-        lse_ref[...] = lse
+    common.tpu_reduction(n, pl.num_programs(2) - 1, first < length,
+                         (o_ref, lse_ref, m_ref, l_ref, acc_ref), step)
 
 
 def logical_page(lens_ref, row, n, t: int, page_size: int, pages_per_block: int):
@@ -90,24 +78,10 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float, p
 
     fixed = lambda i, j, n, lens, table: (i, j, 0, 0)
     pages = [page_spec(t) for t in range(pages_per_block)]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(b, kh, pl.cdiv(w, pages_per_block)),
-        in_specs=[pl.BlockSpec((None, None, g, h), fixed)] + pages + pages,
-        out_specs=[pl.BlockSpec((None, None, g, h), fixed),
-                   pl.BlockSpec((None, None, g, 1), fixed)],
-        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                        pltpu.VMEM((g, h), jnp.float32)],
-    )
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
                                scale=scale)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="paged_attention_tpu",
-    )(lengths, page_table.reshape(-1), q, *[k_pages] * pages_per_block, *[v_pages] * pages_per_block)
+    args = (lengths, page_table.reshape(-1), q, *[k_pages] * pages_per_block,
+            *[v_pages] * pages_per_block)
+    return common.tpu_attention_call(kernel, args, [pl.BlockSpec((None, None, g, h), fixed)] + pages + pages,
+                                     grid=(b, kh, pl.cdiv(w, pages_per_block)), n_prefetch=2,
+                                     g=g, h=h, interpret=interpret, name="paged_attention_tpu")

@@ -16,7 +16,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 
@@ -69,24 +68,11 @@ def _kernel(
         start = jnp.minimum(lo, n_slots - block_k)  # the last block stays inside the buffer
         rows = pl.ds(start, block_k)
         ks, vs = _dequantize(k_refs, k_fmt, rows), _dequantize(v_refs, v_fmt, rows)
-        return common.softmax_step_parts(carry, qs, ks, vs, (start, lo, length), scale)
+        return common.step_parts(carry, qs, ks, vs, (start, lo, length), scale)
 
     _, gp, _ = q_ref.shape
-    _, _, width = o_ref.shape
-    init = (jnp.full((gp, 1), common.MASKED, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
-            tuple(jnp.zeros((gp, width), jnp.float32) for _ in range(v_fmt.parts)))
-    m, l, accs = jax.lax.fori_loop(0, n_blocks, step, init)
-    for j, acc in enumerate(accs):
-        out, lse = common.finish(m, l, acc)
-        o_ref[j] = out
-    lse_ref[...] = lse
-
-
-def split_count(rows: int, blocks: int, n_splits: int | None) -> int:
-    """Splits per (row, kv head): enough programs for ~2 waves on a 132-SM GPU."""
-    if n_splits is None:
-        n_splits = pl.cdiv(264, rows)
-    return max(1, min(n_splits, blocks))
+    carry = jax.lax.fori_loop(0, n_blocks, step, common.gpu_init_carry(gp, v_fmt.head_dim, v_fmt.parts))
+    common.store(o_ref, lse_ref, *carry)
 
 
 def _whole_slice(x):
@@ -104,26 +90,13 @@ def quantized_kv_attention(q, k_ops, v_ops, lengths, *, k_fmt, v_fmt, scale: flo
     rows = common.gpu_group_rows(g)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, rows - g), (0, 0)))
     blocks = pl.cdiv(s, block_k)
-    splits = split_count(b * kh, blocks, n_splits)
+    splits = common.split_count(b * kh, blocks, n_splits)
     per_split = pl.cdiv(blocks, splits)
-    width = v_fmt.head_dim // v_fmt.parts
     kernel = functools.partial(_kernel, k_fmt=k_fmt, v_fmt=v_fmt, block_k=block_k,
                                blocks_per_split=per_split, scale=scale)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(b, kh, splits),
-        in_specs=[pl.BlockSpec((b,), lambda i, j, p: (0,)),
-                  pl.BlockSpec((None, None, pk, rows, width_q), lambda i, j, p: (i, j, 0, 0, 0))]
-                 + [_whole_slice(x) for x in k_ops + v_ops],
-        out_specs=[pl.BlockSpec((None, None, None, v_fmt.parts, rows, width),
-                                lambda i, j, p: (i, j, p, 0, 0, 0)),
-                   pl.BlockSpec((None, None, None, rows, 1), lambda i, j, p: (i, j, p, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, kh, splits, v_fmt.parts, rows, width), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, splits, rows, 1), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="quantized_kv_attention_gpu",
-    )(lengths, q, *k_ops, *v_ops)
-    out = jnp.moveaxis(out, 3, -2).reshape(b, kh, splits, rows, v_fmt.head_dim)  # the parts joined
-    out, lse = common.merge(out, lse, axis=2)
-    return out[:, :, :g], lse[:, :, :g]
+    in_specs = ([pl.BlockSpec((b,), lambda i, j, p: (0,)),
+                 pl.BlockSpec((None, None, pk, rows, width_q), lambda i, j, p: (i, j, 0, 0, 0))]
+                + [_whole_slice(x) for x in k_ops + v_ops])
+    return common.gpu_attention_call(kernel, (lengths, q, *k_ops, *v_ops), in_specs, b=b, kh=kh, g=g,
+                                     h=v_fmt.head_dim, splits=splits, parts=v_fmt.parts,
+                                     interpret=interpret, name="quantized_kv_attention_gpu")

@@ -17,7 +17,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 
@@ -76,29 +75,14 @@ def _kernel(
     j = pl.program_id(2)
     length = len_ref[pl.program_id(0)]
 
-    @pl.when(j == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, common.MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(j * block_k < length)
-    def _step():
+    def step(carry):
         start = j * block_k
         qs = tuple(q_ref[i] for i in range(k_fmt.parts))
-        carry = (m_ref[...], l_ref[...], tuple(acc_ref[i] for i in range(v_fmt.parts)))
-        m, l, accs = common.softmax_step_parts(carry, qs, _dequantize(k_refs, k_fmt),
-                                               _dequantize(v_refs, v_fmt), (start, start, length), scale)
-        m_ref[...], l_ref[...] = m, l
-        for i, acc in enumerate(accs):
-            acc_ref[i] = acc
+        return common.step_parts(carry, qs, _dequantize(k_refs, k_fmt),
+                                         _dequantize(v_refs, v_fmt), (start, start, length), scale)
 
-    @pl.when(j == pl.num_programs(2) - 1)
-    def _finish():
-        for i in range(v_fmt.parts):
-            out, lse = common.finish(m_ref[...], l_ref[...], acc_ref[i])
-            o_ref[i] = out
-        lse_ref[...] = lse
+    common.tpu_reduction(j, pl.num_programs(2) - 1, j * block_k < length,
+                         (o_ref, lse_ref, m_ref, l_ref, acc_ref), step)
 
 
 def last_block(lengths_ref, row, block: int):
@@ -126,27 +110,11 @@ def quantized_kv_attention(q, k_ops, v_ops, lengths, *, k_fmt, v_fmt, scale: flo
     operands of `api.operands`; lengths i32[B] -> (out f32[B, K, G, H], lse f32[B, K, G, 1])."""
     b, kh, pk, g, width_q = q.shape
     s = k_ops[0].shape[2]
-    pv, width = v_fmt.parts, v_fmt.head_dim // v_fmt.parts
     fixed = lambda i, j, n, lens: (i, j, 0, 0, 0)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(b, kh, pl.cdiv(s, block_k)),
-        in_specs=[pl.BlockSpec((None, None, pk, g, width_q), fixed)]
-                 + _specs(k_ops, k_fmt, block_k) + _specs(v_ops, v_fmt, block_k),
-        out_specs=[pl.BlockSpec((None, None, pv, g, width), fixed),
-                   pl.BlockSpec((None, None, g, 1), lambda i, j, n, lens: (i, j, 0, 0))],
-        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                        pltpu.VMEM((pv, g, width), jnp.float32)],
-    )
+    in_specs = ([pl.BlockSpec((None, None, pk, g, width_q), fixed)]
+                + _specs(k_ops, k_fmt, block_k) + _specs(v_ops, v_fmt, block_k))
     kernel = functools.partial(_kernel, k_fmt=k_fmt, v_fmt=v_fmt, block_k=block_k, scale=scale)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((b, kh, pv, g, width), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="quantized_kv_attention_tpu",
-    )(lengths, q, *k_ops, *v_ops)
-    return jnp.moveaxis(out, 2, -2).reshape(b, kh, g, v_fmt.head_dim), lse  # the parts joined
+    return common.tpu_attention_call(kernel, (lengths, q, *k_ops, *v_ops), in_specs,
+                                     grid=(b, kh, pl.cdiv(s, block_k)), n_prefetch=1, g=g,
+                                     h=v_fmt.head_dim, parts=v_fmt.parts, interpret=interpret,
+                                     name="quantized_kv_attention_tpu")

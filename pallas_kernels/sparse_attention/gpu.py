@@ -14,10 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention.gpu import split_count
 
 
 def _kernel(
@@ -48,11 +46,7 @@ def _kernel(
         return common.softmax_step(carry, q, k, v, (start, lo, length), scale, v_hs)
 
     rows, h = q_ref.shape
-    init = (jnp.full((rows, 1), common.MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, h), jnp.float32))
-    out, lse = common.finish(*jax.lax.fori_loop(0, n_entries, step, init))
-    o_ref[...] = out
-    lse_ref[...] = lse
+    common.store(o_ref, lse_ref, *jax.lax.fori_loop(0, n_entries, step, common.gpu_init_carry(rows, h)))
 
 
 def block_sparse_attention(q, k, v, lengths, kept, n_kept, *, scale: float, block_k: int,
@@ -64,28 +58,17 @@ def block_sparse_attention(q, k, v, lengths, kept, n_kept, *, scale: float, bloc
     m = kept.shape[2]
     rows = common.gpu_group_rows(g)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    splits = split_count(b * kh, m, n_splits)
+    splits = common.split_count(b * kh, m, n_splits)
     per_split = pl.cdiv(m, splits)
     row = lambda i, j, p: (i, j, 0, 0)
-    part = lambda i, j, p: (i, j, p, 0, 0)
     kernel = functools.partial(_kernel, block_k=block_k, entries_per_split=per_split, scale=scale,
                                v_hs=v_hs)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(b, kh, splits),
-        in_specs=[pl.BlockSpec((b,), lambda i, j, p: (0,)),
-                  pl.BlockSpec((b, kh), lambda i, j, p: (0, 0)),
-                  pl.BlockSpec((None, None, m), lambda i, j, p: (i, j, 0)),
-                  pl.BlockSpec((None, None, rows, h), row),
-                  pl.BlockSpec((None, None) + k.shape[2:], row),
-                  pl.BlockSpec((None, None) + v.shape[2:], row)],
-        out_specs=[pl.BlockSpec((None, None, None, rows, h), part),
-                   pl.BlockSpec((None, None, None, rows, 1), part)],
-        out_shape=[jax.ShapeDtypeStruct((b, kh, splits, rows, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, splits, rows, 1), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="block_sparse_attention_gpu",
-    )(lengths, n_kept, kept, q, k, v)
-    out, lse = common.merge(out, lse, axis=2)
-    return out[:, :, :g], lse[:, :, :g]
+    in_specs = [pl.BlockSpec((b,), lambda i, j, p: (0,)),
+                pl.BlockSpec((b, kh), lambda i, j, p: (0, 0)),
+                pl.BlockSpec((None, None, m), lambda i, j, p: (i, j, 0)),
+                pl.BlockSpec((None, None, rows, h), row),
+                pl.BlockSpec((None, None) + k.shape[2:], row),
+                pl.BlockSpec((None, None) + v.shape[2:], row)]
+    return common.gpu_attention_call(kernel, (lengths, n_kept, kept, q, k, v), in_specs, b=b, kh=kh,
+                                     g=g, h=h, splits=splits, interpret=interpret,
+                                     name="block_sparse_attention_gpu")

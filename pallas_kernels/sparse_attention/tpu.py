@@ -17,7 +17,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 
@@ -41,25 +40,13 @@ def _kernel(
     row, head, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pair = row * pl.num_programs(1) + head
 
-    @pl.when(n == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, common.MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(n < n_kept_ref[pair])
-    def _step():
+    def step(carry):
         start = kept_ref[pair * pl.num_programs(2) + n] * block_k
-        carry = (m_ref[...], l_ref[...], acc_ref[...])
-        m, l, acc = common.softmax_step(carry, q_ref[...], k_ref[...], v_ref[...],
-                                        (start, start, len_ref[row]), scale, v_hs)
-        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+        return common.softmax_step(carry, q_ref[...], k_ref[...], v_ref[...],
+                                   (start, start, len_ref[row]), scale, v_hs)
 
-    @pl.when(n == pl.num_programs(2) - 1)
-    def _finish():
-        out, lse = common.finish(m_ref[...], l_ref[...], acc_ref[...])
-        o_ref[...] = out
-        lse_ref[...] = lse
+    common.tpu_reduction(n, pl.num_programs(2) - 1, n < n_kept_ref[pair],
+                         (o_ref, lse_ref, m_ref, l_ref, acc_ref), step)
 
 
 def kept_block(i, j, n, n_kept_ref, kept_ref, heads: int, entries: int):
@@ -87,25 +74,10 @@ def block_sparse_attention(q, k, v, lengths, kept, n_kept, *, scale: float, bloc
 
     fixed = lambda i, j, n, *refs: (i, j, 0, 0)
     v_block = (None, None, h, block_k) if v_hs else (None, None, block_k, h)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(b, kh, m),
-        in_specs=[pl.BlockSpec((None, None, g, h), fixed),
-                  pl.BlockSpec((None, None, block_k, h), k_map),
-                  pl.BlockSpec(v_block, v_map)],
-        out_specs=[pl.BlockSpec((None, None, g, h), fixed),
-                   pl.BlockSpec((None, None, g, 1), fixed)],
-        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                        pltpu.VMEM((g, h), jnp.float32)],
-    )
+    in_specs = [pl.BlockSpec((None, None, g, h), fixed),
+                pl.BlockSpec((None, None, block_k, h), k_map),
+                pl.BlockSpec(v_block, v_map)]
     kernel = functools.partial(_kernel, block_k=block_k, scale=scale, v_hs=v_hs)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((b, kh, g, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="block_sparse_attention_tpu",
-    )(lengths, n_kept.reshape(-1), kept.reshape(-1), q, k, v)
+    return common.tpu_attention_call(kernel, (lengths, n_kept.reshape(-1), kept.reshape(-1), q, k, v),
+                                     in_specs, grid=(b, kh, m), n_prefetch=3, g=g, h=h,
+                                     interpret=interpret, name="block_sparse_attention_tpu")
