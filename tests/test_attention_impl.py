@@ -26,7 +26,7 @@ def dense_xla():
     return api.generate(jax_model("smollm2"), PROMPTS, max_new_tokens=NEW).token_ids
 
 
-@pytest.mark.parametrize("kind", ["dense", "paged"])
+@pytest.mark.parametrize("kind", ["paged", pytest.param("dense", marks=pytest.mark.slow)])
 def test_pallas_path_gives_the_xla_tokens(kind, dense_xla):
     """Unquantised caches: the Pallas decode steps give exactly the XLA path's tokens, and
     the paged cache the dense cache's."""
