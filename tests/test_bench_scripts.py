@@ -91,3 +91,13 @@ def test_step_bytes_counts_stored_weights():
     q4 = decode_bench.step_bytes(M(quantize_params(params, transformer.declare(cfg), "int4")), 1, 0)
     assert 0.1 < q4 / f32 < 0.25
     assert decode_bench.step_bytes(M(params), 2, 10) > f32
+
+
+def test_kernel_bytes_table():
+    """scripts/kernel_bytes.py: int8/int4 KV move ~0.53x/~0.31x of bf16's bytes at 32k."""
+    r = subprocess.run([sys.executable, "scripts/kernel_bytes.py"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ratio = {line.split()[1]: float(line.split()[-1]) for line in r.stdout.splitlines()
+             if line.startswith("quantized_kv_attention")}
+    assert 0.5 < ratio["int8"] < 0.55 and 0.3 < ratio["int4"] < 0.32, ratio

@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxdec.cache import dense
 from jaxdec.errors import JaxdecError
+from jaxdec.quant.qarray import check_array
 
 GRANULARITIES = ("token", "group", "channel")
 SCALE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -94,13 +95,7 @@ def _fail(msg: str):
 
 
 def _check_array(name: str, x: Any, dtypes, shape: tuple[int, ...]):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        _fail(f"{name} is a {type(x).__name__}, not an array")
-    if np.dtype(x.dtype) not in tuple(np.dtype(d) for d in dtypes):
-        _fail(f"{name} has dtype {np.dtype(x.dtype).name}, expected "
-              f"{' or '.join(np.dtype(d).name for d in dtypes)}")
-    if tuple(x.shape) != shape:
-        _fail(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+    check_array(name, x, tuple(dtypes), shape, fail=_fail)
 
 
 def param_shape(b: int, kh: int, s: int, h: int, granularity: str, group_size: int) -> tuple:

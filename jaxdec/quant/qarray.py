@@ -101,13 +101,21 @@ def _fail(msg: str):
     raise JaxdecError(f"invalid QArray: {msg}")
 
 
-def _check_array(name: str, x: Any, dtype, shape: tuple[int, ...]):
+def check_array(name: str, x: Any, dtypes, shape: tuple[int, ...], fail=None):
+    """`fail(message)` (default: an invalid-QArray error) unless x is an array of one of
+    `dtypes` (a dtype or a tuple of them) and of `shape`. Shared with the quantised KV
+    cache's `validate_kv`."""
+    fail = fail or _fail
+    dtypes = tuple(np.dtype(d) for d in (dtypes if isinstance(dtypes, tuple) else (dtypes,)))
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        _fail(f"{name} is a {type(x).__name__}, not an array")
-    if np.dtype(x.dtype) != np.dtype(dtype):
-        _fail(f"{name} has dtype {np.dtype(x.dtype).name}, expected {np.dtype(dtype).name}")
+        fail(f"{name} is a {type(x).__name__}, not an array")
+    if np.dtype(x.dtype) not in dtypes:
+        fail(f"{name} has dtype {np.dtype(x.dtype).name}, expected {' or '.join(d.name for d in dtypes)}")
     if tuple(x.shape) != shape:
-        _fail(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+        fail(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+
+
+_check_array = check_array  # (the name the checks below use)
 
 
 def _check_meta(qa: QArray):
