@@ -131,17 +131,18 @@ def declare(cfg: ModelConfig) -> MLAParams:
     )
 
 
-def block(x, p: MLAParams, positions, entry: dense.LatentLayer | None, past, cfg: ModelConfig):
+def block(x, p: MLAParams, positions, entry: dense.LatentLayer | None, past, cfg: ModelConfig,
+          tree=None):
     """The attention sublayer of an MLA model: x [B, T, D] -> ([B, T, D], updated cache
     entry). Queries see the cached latents marked by `past` (bool[B, T, S]) and the chunk's
     own, causally. Short chunks (decode, verification) run absorbed, so the cache is read
     as latents; long ones (prefill) expand keys and values per head."""
     q_nope, q_rope = queries(p, x, positions, cfg)
     c, k_rope = latents(p, x, positions, cfg)
-    mask = dense.chunk_mask(positions)
+    mask, slots = (dense.chunk_mask(positions), positions) if tree is None else tree
     absorbed = x.shape[1] <= MAX_ABSORBED_T
     chunk = (c, k_rope, mask)
     if entry is None:
         return attend(p, q_nope, q_rope, [chunk], cfg, absorbed=absorbed), None
     out = attend(p, q_nope, q_rope, [(entry.c, entry.k_rope, past), chunk], cfg, absorbed=absorbed)
-    return out, dense.write_latent(entry, c, k_rope, positions)
+    return out, dense.write_latent(entry, c, k_rope, slots)

@@ -135,9 +135,11 @@ def _take(table: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig):
+def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig,
+                    tree: "Tree | None" = None):
     """x: [B, T, D] -> ([B, T, D], updated cache layer). `past` (bool[B, T, S]) marks the
-    cache slots each query sees besides the chunk itself (None without a cache)."""
+    cache slots each query sees besides the chunk itself (None without a cache); `tree`
+    replaces the chunk's causal mask and the slots it is written to (see `Tree`)."""
     with jax.named_scope("attention"):
         q, k, v = layers.linear(x, p.wq), layers.linear(x, p.wk), layers.linear(x, p.wv)
         if p.bq is not None:
@@ -148,31 +150,34 @@ def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, 
             inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
             q, k = layers.rope(q, positions, inv_freq, factor), layers.rope(k, positions, inv_freq, factor)
-        chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), dense.chunk_mask(positions))
+        mask, slots = (dense.chunk_mask(positions), positions) if tree is None else tree
+        chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask)
         if kv is None:  # attend within the chunk only
             out = layers.attention(q, chunk)
-        elif q.shape[1] == 1 and (cfg.attention_impl != "xla" or not isinstance(kv, dense.KVLayer)):
+        elif q.shape[1] == 1 and tree is None and (cfg.attention_impl != "xla" or not isinstance(kv, dense.KVLayer)):
             # a decode step through the kernel op of the entry's kind: write, then attend
             kv = kinds.write(kv, k, v, positions)
             seen = jnp.where(positions[:, 0] >= 0, positions[:, 0] + 1, 0)
             out = kinds.decode_attention(q[:, 0], kv, seen, cfg.attention_impl)[:, None]
         else:  # the cache as it was before this chunk, then the chunk itself
             out = layers.attention(q, (*kinds.dense_view(kv, q.dtype), past), chunk)
-            kv = kinds.write(kv, k, v, positions)
+            kv = kinds.write(kv, k, v, slots)
         return layers.linear(out, p.wo, n_in=2), kv
 
 
-def decoder_layer(x, p: LayerParams, positions, entry, past, cfg: ModelConfig, kind):
+def decoder_layer(x, p: LayerParams, positions, entry, past, cfg: ModelConfig, kind, tree=None):
     """One layer of kind (mixer, feed-forward) -> (x, its updated cache entry)."""
     mixer, ffn = kind
     if mixer is not None:
         h = layers.rms_norm(x, p.mixer_norm, cfg.norm_eps)
         if mixer == "attention":
-            h, entry = attention_block(h, p.mixer, positions, entry, past, cfg)
+            h, entry = attention_block(h, p.mixer, positions, entry, past, cfg, tree)
         elif mixer == "mla":
             with jax.named_scope("mla"):
-                h, entry = mla.block(h, p.mixer, positions, entry, past, cfg)
+                h, entry = mla.block(h, p.mixer, positions, entry, past, cfg, tree)
         else:
+            if tree is not None:
+                raise ValueError("a Mamba layer cannot verify a tree of tokens")
             with jax.named_scope("mamba"):
                 h, entry = mamba.block(h, p.mixer, positions, entry, cfg)
         x = x + h
@@ -187,21 +192,46 @@ def decoder_layer(x, p: LayerParams, positions, entry, past, cfg: ModelConfig, k
     return x, entry
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["mask", "slots"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A chunk of tokens that is not one causal run (speculative tree verification): which
+    chunk tokens each query sees, and the cache slots the chunk is written to (siblings
+    share a position, so they cannot share the slot that position names)."""
+
+    mask: jax.Array  # bool[B, T, T]: query t sees chunk token s
+    slots: jax.Array  # i32[B, T]: where each token's keys/values go; < 0 for nowhere
+
+    def __iter__(self):
+        return iter((self.mask, self.slots))
+
+
 def hidden(params: Params, tokens, positions, cache: dense.KVCache | None, cfg: ModelConfig):
     """Final-norm hidden states [B, T, D] and the updated cache."""
+    x, cache, _ = hidden_and_taps(params, tokens, positions, cache, cfg)
+    return x, cache
+
+
+def hidden_and_taps(params: Params, tokens, positions, cache: dense.KVCache | None,
+                    cfg: ModelConfig, *, tree: Tree | None = None, taps: tuple[int, ...] = ()):
+    """`hidden`, with a tree chunk (`Tree`) and the residual stream entering each layer of
+    `taps` ([B, T, D] each, in order: the features a speculative drafter reads)."""
     x = embed(params, tokens)
     past = None if cache is None else dense.before(cache.lengths, positions, cache.n_slots)
-    new_layers = []
+    new_layers, tapped = [], []
     for i, (p, kind) in enumerate(zip(params.layers, cfg.kinds)):  # unrolled: faster than scan on XLA:CPU
+        if i in taps:
+            tapped.append(x)
         entry = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer_{i}"):
-            x, entry = decoder_layer(x, p, positions, entry, past, cfg, kind)
+            x, entry = decoder_layer(x, p, positions, entry, past, cfg, kind, tree)
         new_layers.append(entry)
     x = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
+    tapped = tuple(tapped[sorted(taps).index(i)] for i in taps)
     if cache is None:
-        return x, None
+        return x, None, tapped
     cache = dense.KVCache(layers=tuple(new_layers), lengths=dense.advance(cache.lengths, positions))
-    return x, sharding.constrain_cache(cache, cfg)
+    return x, sharding.constrain_cache(cache, cfg), tapped
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

@@ -1,0 +1,1 @@
+"""Speculative decoding: the draft/verify core (`core`) and the drafters plugged into it."""
