@@ -65,10 +65,10 @@ class SmallModel:
     def _forward(self, params, cache, tokens, valid):
         """Feed i32[B, T] where valid; -> (logits at each row's last valid token, cache)."""
         t = tokens.shape[1]
-        n = jnp.sum(valid, axis=1)
+        end = t - 1 - jnp.argmax(valid[:, ::-1], axis=1)  # each row's last valid token
         positions = jnp.where(valid, cache.lengths[:, None] + jnp.cumsum(valid, 1) - 1, -1)
         h, cache = transformer.hidden(params, tokens, positions, cache, self.cfg)
-        last = jnp.take_along_axis(h, jnp.clip(n - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.take_along_axis(h, end[:, None, None], axis=1)[:, 0]
         return transformer.logits_from_hidden(params, last), cache
 
     def draft(self, params, state: State, last, active, key, sampler):
