@@ -329,6 +329,7 @@ class GenerateResult:
     token_ids: list[list[int]]  # generated ids per row (a final stop token included)
     prompt_ids: list[list[int]]
     stopped: list[bool]  # True where the row ended on a stop token
+    spec: dict | None = None  # speculative decoding's figures (`jaxdec.spec.core.stats`)
 
 
 def encode_prompts(model: Model, prompts, *, chat: bool) -> list[list[int]]:
@@ -350,24 +351,33 @@ def encode_prompts(model: Model, prompts, *, chat: bool) -> list[list[int]]:
 
 def generate(model: Model, prompts, *, max_new_tokens: int = 64, sampler: Sampler = Greedy(),
              seed: int = 0, chat: bool = False, stop_ids: Sequence[int] | None = None,
-             stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> GenerateResult:
+             stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+             drafter=None) -> GenerateResult:
     """Generate continuations of `prompts` (str, list of str; with chat=True also message
     lists). Rows stop at EOS/end-of-turn tokens (or `stop_ids`) or at `max_new_tokens`.
 
     `stream(step, tokens, active)` is called on the host after every step with the new
     tokens i32[B] and which rows were still generating.
+
+    `drafter` switches speculative decoding on (`jaxdec.spec.drafters.load` makes one from
+    a trained drafter checkpoint or a model): the tokens are the same, greedy or sampled
+    from the same distribution; only the speed differs. `result.spec` has its figures.
     """
     rows = encode_prompts(model, prompts, chat=chat)
     return generate_ids(model, rows, max_new_tokens=max_new_tokens, sampler=sampler, seed=seed,
-                        stop_ids=stop_ids, stream=stream)
+                        stop_ids=stop_ids, stream=stream, drafter=drafter)
 
 
 def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
                  sampler: Sampler = Greedy(), seed: int = 0, stop_ids=None,
-                 stream=None, stream_chunk: int = 4) -> GenerateResult:
+                 stream=None, stream_chunk: int = 4, drafter=None) -> GenerateResult:
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
     _check_ids(rows, model.cfg.vocab_size)
+    if drafter is not None:
+        from jaxdec.spec import drafters
+        return drafters.generate(model, rows, drafter, max_new_tokens=int(max_new_tokens),
+                                 sampler=sampler, seed=seed, stop_ids=stop_ids, stream=stream)
     n_rows = len(rows)
     if model.mesh is not None:  # fill the `data` axis with idle rows (token limit 0)
         rows = rows + [rows[0]] * _idle_rows(model, n_rows)
@@ -388,12 +398,14 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
             lambda step, ids, active: stream(step, ids[:n_rows], active[:n_rows]))
         progress = _streamed(model, args, static, shown, stream_chunk)
     progress = sharding.to_host(progress)  # (from every device, in a multi-process run)
-    out, n_gen = progress.tokens, progress.n_generated
-    rows = rows[:n_rows]
-    ids = [list(map(int, out[i, : n_gen[i]])) for i in range(n_rows)]
-    texts = [model.tokenizer.decode(r) for r in ids]
-    return GenerateResult(texts=texts, token_ids=ids, prompt_ids=rows,
-                          stopped=list(map(bool, progress.stopped[:n_rows])))
+    return result(model, rows[:n_rows], progress.tokens, progress.n_generated, progress.stopped)
+
+
+def result(model: Model, rows, tokens, n_generated, stopped, spec=None) -> GenerateResult:
+    """The GenerateResult of generated ids tokens[b, :n_generated[b]] for prompt `rows`."""
+    ids = [list(map(int, tokens[i, : n_generated[i]])) for i in range(len(rows))]
+    return GenerateResult(texts=[model.tokenizer.decode(r) for r in ids], token_ids=ids,
+                          prompt_ids=rows, stopped=list(map(bool, stopped[:len(rows)])), spec=spec)
 
 
 def _streamed(model: Model, args, static, stream, chunk: int):

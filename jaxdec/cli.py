@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", "-p", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--no-stream", action="store_true", help="print the text when done")
+    g.add_argument("--draft", default=None, metavar="SRC",
+                   help="speculative decoding: a trained drafter checkpoint (jaxdec distill), "
+                        "a model (same vocabulary: a small-model drafter; another vocabulary: "
+                        "cross-vocabulary drafting), or layers:N (the target's first N layers)")
+    g.add_argument("--draft-k", type=int, default=None,
+                   help="draft tokens per round (tree depth for tree drafters)")
+    g.add_argument("--draft-method", default="tli", choices=["tli", "slem"],
+                   help="cross-vocabulary drafting: token-level intersection or string-level "
+                        "exact match")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _model_flags(c)

@@ -70,23 +70,41 @@ def _load(args):
     return model
 
 
+def _drafter(args, model):
+    if not getattr(args, "draft", None):
+        return None
+    if args.draft_k is not None and args.draft_k <= 0:
+        raise JaxdecError(f"--draft-k must be positive (got {args.draft_k})")
+    from jaxdec.spec import drafters
+    return drafters.load(args.draft, model, k=args.draft_k, method=args.draft_method)
+
+
+def _spec_line(res) -> str:
+    if res.spec is None:
+        return ""
+    by_pos = " ".join(f"{x:.2f}" for x in res.spec["accept_by_position"])
+    return (f"; speculative: {res.spec['rounds']} rounds, mean accepted length "
+            f"{res.spec['mean_accepted']:.2f}, acceptance by position {by_pos}")
+
+
 def generate(args) -> int:
     sampler = _sampler(args)
     model = _load(args)
+    drafter = _drafter(args, model)
     if args.no_stream:
         t0 = time.perf_counter()
         res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                              sampler=sampler, seed=args.seed, chat=args.chat)
+                              sampler=sampler, seed=args.seed, chat=args.chat, drafter=drafter)
         print(res.texts[0])
-        print(f"[{len(res.token_ids[0])} tokens in {time.perf_counter() - t0:.2f} s]",
-              file=sys.stderr)
+        print(f"[{len(res.token_ids[0])} tokens in {time.perf_counter() - t0:.2f} s"
+              f"{_spec_line(res)}]", file=sys.stderr)
         return 0
     printer = _Printer(model.tokenizer)
-    jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, sampler=sampler,
-                    seed=args.seed, chat=args.chat, stream=printer)
+    res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens, sampler=sampler,
+                          seed=args.seed, chat=args.chat, stream=printer, drafter=drafter)
     tail = printer.decoder.flush() if hasattr(printer.decoder, "flush") else ""
     sys.stdout.write(tail + "\n")
-    print(f"[{printer.stats()}]", file=sys.stderr)
+    print(f"[{printer.stats()}{_spec_line(res)}]", file=sys.stderr)
     return 0
 
 

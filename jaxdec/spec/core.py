@@ -233,6 +233,35 @@ def generate(tparams, dparams, cache: dense.KVCache, prompts, prompt_lens, rng, 
                     cfg=cfg, drafter=drafter, stop_ids=stop_ids)
 
 
+@partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",),
+         compiler_options=decode.COMPILER_OPTIONS)
+def start(tparams, dparams, cache, prompts, prompt_lens, rng, limits, *, sampler, cfg, drafter,
+          max_new_tokens, stop_ids=()):
+    """Prefill and the first token -> (SpecProgress, cache); `advance` continues (streaming)."""
+    return _start(tparams, dparams, cache, prompts, prompt_lens, rng, limits, sampler=sampler,
+                  cfg=cfg, drafter=drafter, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+
+
+@partial(jax.jit, static_argnames=("sampler", "cfg", "drafter", "stop_ids"),
+         donate_argnames=("cache",), compiler_options=decode.COMPILER_OPTIONS)
+def advance(tparams, dparams, cache, progress, rng, limits, max_rounds, *, sampler, cfg, drafter,
+            stop_ids=()):
+    """Up to `max_rounds` more rounds (traced: one compile serves every chunk)."""
+    return _advance(tparams, dparams, cache, progress, rng, limits, max_rounds, sampler=sampler,
+                    cfg=cfg, drafter=drafter, stop_ids=stop_ids)
+
+
+def stats(progress: SpecProgress) -> dict:
+    """Rounds, mean accepted length (tokens per target forward, the prefill's token aside)
+    and acceptance by draft position (the share of rounds that kept draft i)."""
+    rounds = int(jnp.sum(progress.rounds))
+    emitted = int(jnp.sum(progress.n_generated)) - int(jnp.sum(progress.n_generated > 0))
+    hist = [int(x) for x in progress.accepted]
+    kept = [sum(hist[i:]) / max(rounds, 1) for i in range(1, len(hist))]
+    return {"rounds": rounds, "tokens": emitted, "mean_accepted": emitted / max(rounds, 1),
+            "accept_by_position": kept, "accepted_hist": hist}
+
+
 def draft_width(drafter) -> int:
     """Tokens one verification writes past a row's length: the chain, or the tree's nodes."""
     return drafter.tree.budget + 1 if drafter.tree is not None else drafter.k + 1
