@@ -1,0 +1,132 @@
+"""Speculative decoding against plain jitted decoding, side by side in one run.
+
+For each drafter: mean accepted length (tokens per target forward), tokens/s, speed-up over
+plain greedy decoding of the same prompts, acceptance by draft position, whether the tokens
+are identical to plain decoding (they must be), and where a round's time goes (the target's
+verification forward, timed alone, and the rest: drafting and bookkeeping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdec
+from jaxdec.cache import dense
+from jaxdec.models import transformer
+from jaxdec.spec import core, drafters
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    seconds: float
+    tokens: int
+    identical: bool | None = None
+    spec: dict | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def _run(model, prompts, n_new, drafter=None, chat=False):
+    """(seconds, tokens, ids, merged stats) over prompts one at a time (batch 1), after a
+    warm-up generation that compiles."""
+    gen = partial(jaxdec.generate, model, max_new_tokens=n_new, drafter=drafter, chat=chat)
+    gen([prompts[0]])
+    t0 = time.perf_counter()
+    outs = [gen([p]) for p in prompts]
+    seconds = time.perf_counter() - t0
+    ids = [o.token_ids[0] for o in outs]
+    return seconds, sum(map(len, ids)), ids, _merge([o.spec for o in outs])
+
+
+def _merge(specs):
+    if not specs or specs[0] is None:
+        return None
+    if "accepted_hist" not in specs[0]:  # cross-vocabulary stats: averaged as reported
+        return {"mean_accepted": float(np.mean([s["mean_accepted"] for s in specs])),
+                "rounds": sum(s["rounds"] for s in specs),
+                "accept_by_position": list(np.mean([s["accept_by_position"] for s in specs], 0))}
+    hist = np.sum([s["accepted_hist"] for s in specs], axis=0)
+    rounds, tokens = sum(s["rounds"] for s in specs), sum(s["tokens"] for s in specs)
+    return {"rounds": rounds, "mean_accepted": tokens / max(rounds, 1), "accepted_hist": hist.tolist(),
+            "accept_by_position": [float(hist[i:].sum() / max(rounds, 1)) for i in range(1, len(hist))]}
+
+
+def forward_ms(model, width: int, context: int = 96, repeats: int = 10) -> float:
+    """Milliseconds of one target forward over `width` new tokens after `context` cached ones
+    (a plain decode step is width 1; a verification is the draft's width)."""
+    cfg = model.cfg
+
+    @partial(jax.jit, donate_argnums=1)
+    def step(params, cache, toks):
+        pos = cache.lengths[:, None] + jnp.arange(toks.shape[1])[None]
+        logits, out = transformer.forward(params, toks, pos, cache, cfg)
+        return jnp.argmax(logits[:, -1], -1), dense.KVCache(out.layers, cache.lengths)
+
+    cache = dense.init_cache(cfg, 1, context + width + 64, model.dtype)
+    cache = dense.KVCache(cache.layers, jnp.full((1,), context, jnp.int32))
+    toks = jnp.ones((1, width), jnp.int32)
+    out, cache = step(model.params, cache, toks)
+    out.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out, cache = step(model.params, cache, toks)
+    out.block_until_ready()
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
+        k: int | None = None, method: str = "tli", dtype: str = "float32", chat=False) -> dict:
+    model = jaxdec.load(target, dtype=dtype)
+    sec, n, base_ids, _ = _run(model, prompts, n_new, chat=chat)
+    rows = [Row("plain decode", sec, n)]
+    widths = {}
+    for src in drafter_srcs:
+        name, _, meth = src.partition("@")  # "smollm2@slem": cross-vocabulary method
+        drafter = drafters.load(name, model, k=k, method=meth or method)
+        sec, n, ids, spec = _run(model, prompts, n_new, drafter, chat)
+        rows.append(Row(src, sec, n, identical=ids == base_ids, spec=spec))
+        if not isinstance(drafter, drafters.CrossVocab):
+            widths[src] = core.draft_width(drafter)
+    plain_ms = forward_ms(model, 1)
+    verify_ms = {w: forward_ms(model, w) for w in sorted(set(widths.values()))}
+    return {"target": target, "prompts": len(prompts), "new_tokens": n_new, "plain_step_ms": plain_ms,
+            "rows": [dict(dataclasses.asdict(r), tok_s=r.tok_s, speedup=r.tok_s / rows[0].tok_s,
+                          verify_ms=verify_ms.get(widths.get(r.name)))
+                     for r in rows]}
+
+
+def table(report: dict) -> str:
+    lines = [f"target {report['target']}: {report['prompts']} held-out prompts x "
+             f"{report['new_tokens']} new tokens, batch 1, greedy; one plain decode step "
+             f"{report['plain_step_ms']:.1f} ms",
+             f"{'drafter':<34} {'MAL':>5} {'tok/s':>7} {'speed-up':>8} {'same':>5} "
+             f"{'ms/round':>8} {'verify':>7} {'ceiling':>7}  acceptance by position"]
+    for r in report["rows"]:
+        spec = r["spec"] or {}
+        mal = spec.get("mean_accepted")
+        ms_round = r["seconds"] * 1e3 / spec["rounds"] if spec.get("rounds") else None
+        verify = r.get("verify_ms")
+        # the speed-up if drafting were free: MAL tokens per verification forward
+        ceiling = mal * report["plain_step_ms"] / verify if mal and verify else None
+        fmt = lambda x, f: "-" if x is None else format(x, f)
+        same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        by_pos = " ".join(f"{x:.2f}" for x in spec.get("accept_by_position", []))
+        lines.append(f"{r['name']:<34} {fmt(mal, '5.2f')} {r['tok_s']:7.1f} {r['speedup']:7.2f}x "
+                     f"{same:>5} {fmt(ms_round, '8.1f')} {fmt(verify, '7.1f')} "
+                     f"{fmt(ceiling, '6.2f')}x  {by_pos}")
+    return "\n".join(lines)
+
+
+def save(report: dict, path) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=float)
