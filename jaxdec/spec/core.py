@@ -69,14 +69,20 @@ class SpecProgress:
     drafter: Any  # the drafter's state
 
 
-def check_target(cfg: ModelConfig, cache: dense.KVCache, need: int) -> None:
-    """Refuse what speculation cannot do: roll back a Mamba state, or draft past the cache."""
+def check(cfg: ModelConfig, cache: dense.KVCache, drafter, prompt_width: int,
+          max_new_tokens: int) -> None:
+    """Refuse what speculation cannot do: roll back a Mamba state, or draft past the cache
+    (shapes are static, so `generate` checks this when it is traced)."""
     if any(mixer == "mamba" for mixer, _ in cfg.kinds):
-        raise JaxdecError("speculative decoding needs a cache it can roll back: "
-                          f"{cfg.name or 'this model'} has Mamba layers")
-    if need > cache.capacity:
-        raise JaxdecError(f"a draft of {need - 1} tokens (+1 verified) does not fit the "
+        raise JaxdecError("speculative decoding needs a cache it can roll back, and this "
+                          "model has Mamba layers")
+    width = draft_width(drafter)
+    if width > cache.capacity:
+        raise JaxdecError(f"a draft of {width - 1} tokens (+1 verified) does not fit the "
                           f"cache's capacity of {cache.capacity} tokens")
+    if need_capacity(prompt_width, max_new_tokens, drafter) > cache.capacity:
+        raise JaxdecError(f"prompts of {prompt_width} tokens + {max_new_tokens} new + a draft "
+                          f"of {width} do not fit the cache's capacity of {cache.capacity} tokens")
 
 
 # ---------------------------------------------------------------------------- acceptance
@@ -175,6 +181,7 @@ def _round(tparams, dparams, cache, p: SpecProgress, key, limits, stops, *, samp
 
 def _start(tparams, dparams, cache, prompts, prompt_lens, rng, limits, *, sampler, cfg,
            drafter, max_new_tokens, stop_ids):
+    check(cfg, cache, drafter, prompts.shape[1], max_new_tokens)
     b = prompts.shape[0]
     positions = decode.prompt_positions(cache.lengths, prompt_lens, prompts.shape[1])
     h, cache, feats = transformer.hidden_and_taps(tparams, prompts, positions, cache, cfg,

@@ -97,7 +97,7 @@ def generate(model, rows, drafter, *, max_new_tokens, sampler, seed, stop_ids, s
     api._check_context(model.cfg, int(lens.max()), max_new_tokens + core.draft_width(drafter))
     need = core.need_capacity(tokens.shape[1], max_new_tokens, drafter)
     cache = api.init_cache(model, len(rows), int(math.ceil(need / 64) * 64))
-    core.check_target(model.cfg, cache, core.draft_width(drafter))
+    core.check(model.cfg, cache, drafter, tokens.shape[1], max_new_tokens)
     static = dict(sampler=sampler, cfg=model.cfg, drafter=dataclasses.replace(drafter, params=None),
                   stop_ids=stops)
     args = (model.params, drafter.params)
