@@ -6,6 +6,7 @@
     jaxdec info     SRC
     jaxdec eval ppl --model SRC --corpus prose|code
     jaxdec fetch    qwen2.5-coder-0.5b | corpora
+    jaxdec distill  --target smollm2 --drafter small|eagle3|pard --out DIR [--steps N ...]
 
 Every user error is one line on stderr and a non-zero exit; never a traceback.
 """
@@ -115,7 +116,42 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-ttft", action="store_true", help="skip the CLI start-up timings")
     b.add_argument("--json", default=None, help="write every figure to this file")
+    _distill_parser(sub)
     return parser
+
+
+def _distill_parser(sub) -> None:
+    d = sub.add_parser("distill", help="train a speculative drafter on a target's own outputs")
+    d.add_argument("--target", default="smollm2", help="the target model (as --model)")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--drafter", required=True, choices=["small", "eagle3", "pard"])
+    d.add_argument("--out", required=True, help="run directory (resumed when it holds one)")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--batch", type=int, default=8, help="training rows per step")
+    d.add_argument("--lr", type=float, default=3e-4)
+    d.add_argument("--warmup", type=int, default=None, help="default: 5%% of --steps")
+    d.add_argument("--schedule", default="cosine", choices=["cosine", "constant"])
+    d.add_argument("--weight-decay", type=float, default=0.0)
+    d.add_argument("--clip", type=float, default=1.0, help="global gradient norm")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--log-every", type=int, default=10)
+    d.add_argument("--ckpt-every", type=int, default=100)
+    d.add_argument("--no-resume", action="store_true", help="refuse a run already in --out")
+    d.add_argument("--n-prompts", type=int, default=256, help="training prompts from the corpora")
+    d.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    d.add_argument("--n-new", type=int, default=64, help="target tokens generated per prompt")
+    d.add_argument("--gen-batch", type=int, default=8, help="rows per generation batch")
+    d.add_argument("--temperature", type=float, default=0.0, help="of the data; 0: greedy")
+    d.add_argument("--cache-dir", default=None, help="distillation data (default data/distill)")
+    d.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
+    o = d.add_argument_group("drafter options (each applies to some kinds)")
+    o.add_argument("--layers", type=int, default=None, help="small: target layers kept")
+    o.add_argument("--loss", default=None, choices=["fkl", "rkl"], help="small: KL direction")
+    o.add_argument("--train-head", action="store_true", default=None,
+                   help="small: train the embedding and LM head too")
+    o.add_argument("--k", type=int, default=None, help="draft tokens per round")
+    o.add_argument("--draft-vocab", type=int, default=None, help="eagle3: draft vocabulary size")
+    o.add_argument("--unroll", type=int, default=None, help="eagle3: training-time-test steps")
 
 
 def enable_compile_cache() -> None:

@@ -234,3 +234,29 @@ def _nbytes(tree) -> int:
 def _human(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
+
+
+_DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll")
+
+
+def distill(args) -> int:
+    from jaxdec import train
+
+    warmup = args.steps // 20 if args.warmup is None else args.warmup
+    cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch, lr=args.lr, warmup=warmup,
+                            schedule=args.schedule, weight_decay=args.weight_decay,
+                            clip=args.clip, seed=args.seed, log_every=args.log_every,
+                            ckpt_every=args.ckpt_every)
+    model = jaxdec.load(args.target, dtype=args.dtype)
+    opts = {k: getattr(args, k) for k in _DRAFTER_OPTIONS if getattr(args, k) is not None}
+    t0 = time.perf_counter()
+    result = train.distill(model, args.drafter, args.out, cfg, n_prompts=args.n_prompts,
+                           n_new=args.n_new, prompt_len=args.prompt_len,
+                           gen_batch=args.gen_batch, temperature=args.temperature,
+                           cache_dir=args.cache_dir, opts=opts, command=" ".join(sys.argv),
+                           resume=not args.no_resume, stop_after=args.stop_after)
+    last = result.history[-1] if result.history else {}
+    print(f"drafter {args.drafter} for {args.target}: {result.drafter_path} (step "
+          f"{last.get('step', '?')}, loss {last.get('loss', float('nan')):.4f}; "
+          f"{time.perf_counter() - t0:.0f} s)")
+    return 0

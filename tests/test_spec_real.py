@@ -1,14 +1,19 @@
 """Speculative decoding on the real models: greedy tokens identical to plain decoding on 20
-prompts per model (one ragged batch), for the drafters that need no training here."""
+prompts per model (one ragged batch): the drafters that need no training, and EAGLE-3 and
+PARD drafters at their untrained start (lossless does not depend on a drafter's quality;
+`scripts/bench_spec.py` measures trained ones)."""
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 import jaxdec
 from conftest import assert_one_line_error, jax_model
 from jaxdec.prompts import CODE_TASKS, PROMPTS
-from jaxdec.spec import drafters
+from jaxdec.spec import drafters, eagle3, pard
+from jaxdec.spec.tree import TreeSpec
 
 PROMPTS_20 = list(PROMPTS) + list(CODE_TASKS[:10])
 
@@ -22,6 +27,31 @@ def test_greedy_identical_on_20_prompts(name, draft, k, new):
                           drafter=drafters.load(draft, model, k=k))
     assert got.token_ids == want.token_ids
     assert got.spec["mean_accepted"] > 1.0  # some drafts were kept (the check has teeth)
+
+
+def _eagle3(model, tree):
+    prompts = jaxdec.api.encode_prompts(model, PROMPTS_20, chat=False)
+    counts = np.concatenate([np.asarray(r) for r in prompts])
+    task = eagle3.Eagle3Task.for_target(model, counts, draft_vocab=4096, tree=tree,
+                                        k=None if tree else 4)
+    return task.drafter(task.init(jax.random.key(7)))
+
+
+def _pard(model):
+    task = pard.PardTask.for_target(model, None, n_layers=6, k=4)
+    return task.drafter(task.init(None))
+
+
+@pytest.mark.parametrize("kind", ["eagle3-chain", "eagle3-tree", "pard"])
+def test_trainable_drafters_greedy_identical_on_20_prompts(kind):
+    model = jax_model("smollm2")
+    drafter = {"eagle3-chain": lambda: _eagle3(model, None),
+               "eagle3-tree": lambda: _eagle3(model, TreeSpec(depth=3, top_k=2, budget=6)),
+               "pard": lambda: _pard(model)}[kind]()
+    want = jaxdec.generate(model, PROMPTS_20, max_new_tokens=20)
+    got = jaxdec.generate(model, PROMPTS_20, max_new_tokens=20, drafter=drafter)
+    assert got.token_ids == want.token_ids
+    assert got.spec["rounds"] > 0
 
 
 def test_cli_draft_errors():

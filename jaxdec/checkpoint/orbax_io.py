@@ -36,22 +36,32 @@ def is_checkpoint(path: pathlib.Path) -> bool:
 
 def save(path, params, cfg: ModelConfig, tokenizer, *, source: str = "",
          tensor_types: dict[str, str] | None = None, extra: dict | None = None) -> pathlib.Path:
-    import orbax.checkpoint as ocp
-
     dest = pathlib.Path(path).absolute()
     if dest.exists() and not (dest.is_dir() and is_checkpoint(dest)):
         raise JaxdecError(f"{dest} exists and is not a jaxdec checkpoint; refusing to overwrite it")
+    dtype = str(params.final_norm.dtype)
+    meta = {"format": FORMAT, "config": json.loads(cfg.to_json()), "dtype": dtype,
+            "source": source, "tensor_types": tensor_types or {}, **(extra or {})}
+
+    def sidecar(tmp: pathlib.Path) -> None:
+        tokenizer.save(tmp)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+
+    return write_params_dir(dest, params, sidecar)
+
+
+def write_params_dir(dest: pathlib.Path, params, sidecar) -> pathlib.Path:
+    """Write `params` (orbax, into params/) and whatever `sidecar(dir)` adds into a
+    temporary sibling of `dest`, then swap it into place: a crash leaves any old `dest` whole."""
+    import orbax.checkpoint as ocp
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", params)
         checkpointer.wait_until_finished()
-        tokenizer.save(tmp)
-        dtype = str(params.final_norm.dtype)
-        meta = {"format": FORMAT, "config": json.loads(cfg.to_json()), "dtype": dtype,
-                "source": source, "tensor_types": tensor_types or {}, **(extra or {})}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+        sidecar(tmp)
         _swap_into_place(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -240,7 +240,22 @@ def usable() -> bool:
     Inside a `shard_map` the axes are manual and the kernel runs on each local shard."""
     from jaxdec.sharding import split_axes
 
-    return available() and not split_axes()
+    return not getattr(_XLA_ONLY, "on", False) and available() and not split_axes()
+
+
+_XLA_ONLY = threading.local()
+
+
+class xla_only:
+    """`with xla_only():` traces XLA's ops only, no kernel custom calls: for programs that
+    are differentiated (training steps), since a custom call has no derivative."""
+
+    def __enter__(self):
+        self.was = getattr(_XLA_ONLY, "on", False)
+        _XLA_ONLY.on = True
+
+    def __exit__(self, *exc):
+        _XLA_ONLY.on = self.was
 
 
 def reason() -> str:

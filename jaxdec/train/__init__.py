@@ -1,0 +1,83 @@
+"""Distilling speculative drafters from a target model.
+
+    model = jaxdec.load("smollm2")
+    result = distill(model, "small", "runs/small", TrainConfig(steps=300), n_prompts=256)
+    drafter = jaxdec.spec.store.load_drafter(result.drafter_path, model)
+
+A Task (a frozen dataclass, one per drafter kind) says what trains and how:
+    name: str; taps: tuple[int, ...]        the target taps its batches must carry
+    init(rng) -> params                     the trainable drafter params
+    frozen(target_model) -> pytree          frozen target arrays the loss reads
+    loss(params, frozen, batch, rng) -> (scalar loss, dict of scalar metrics)
+    drafter(params) -> a Drafter with params attached
+    meta() -> dict                          JSON-able; `jaxdec.spec.store` rebuilds from it
+    for_target(target_model, dataset, **opts) (classmethod) -> the task
+and may offer `taps_for(target_cfg)` (a classmethod; or `default_taps(n_layers)` in its
+module): the taps its data needs, known before the data is made. Batches: see `jaxdec.train.data`; the loop: `jaxdec.train.loop`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+
+from jaxdec.errors import JaxdecError
+from jaxdec.train.data import Dataset, heldout_prompts, make_dataset, prompt_set
+from jaxdec.train.loop import TrainConfig, TrainResult, make_train_step, train
+
+TASKS = {
+    "small": "jaxdec.train.small:SmallDistill",
+    "eagle3": "jaxdec.spec.eagle3:Eagle3Task",
+    "pard": "jaxdec.spec.pard:PardTask",
+}
+
+
+def task_class(kind: str):
+    """The Task class of drafter `kind`, imported when first asked for."""
+    from jaxdec.spec.store import registered
+
+    return registered(TASKS, kind, "drafter kind")
+
+
+def task_taps(kind: str, cfg) -> tuple[int, ...]:
+    """The target layers whose inputs the data of drafter `kind` must carry: the task's
+    `taps_for(cfg)`, else its module's `default_taps(n_layers)`, else none."""
+    cls = task_class(kind)
+    if hasattr(cls, "taps_for"):
+        return tuple(cls.taps_for(cfg))
+    default = getattr(importlib.import_module(cls.__module__), "default_taps", None)
+    return tuple(default(cfg.n_layers)) if default is not None else ()
+
+
+def make_task(kind: str, target_model, dataset: Dataset, **opts):
+    """`for_target` of the kind's Task; options it does not take are a one-line error
+    (`layers` reaches a task that calls it `n_layers` under that name)."""
+    make = task_class(kind).for_target
+    names = inspect.signature(make).parameters
+    if "layers" in opts and "layers" not in names and "n_layers" in names:
+        opts["n_layers"] = opts.pop("layers")
+    try:
+        task = make(target_model, dataset, **opts)
+    except TypeError as e:
+        raise JaxdecError(f"drafter {kind!r}: {e}") from None
+    if tuple(task.taps) != dataset.tap_layers:
+        raise JaxdecError(f"drafter {kind!r} reads taps {tuple(task.taps)}, the data carries "
+                          f"{dataset.tap_layers}")
+    return task
+
+
+def distill(target_model, kind: str, out_dir, cfg: TrainConfig, *, n_prompts: int = 256,
+            n_new: int = 64, prompt_len: int = 32, gen_batch: int = 8, temperature: float = 0.0,
+            cache_dir=None, opts: dict | None = None, command: str = "", resume: bool = True,
+            stop_after: int | None = None) -> TrainResult:
+    """Make (or load) the data of `n_prompts` training prompts, build drafter `kind`'s task
+    with `opts`, and train it into `out_dir` (resuming a run found there)."""
+    prompts = prompt_set(target_model.tokenizer, split="train", prompt_len=prompt_len,
+                         n=n_prompts)
+    dataset = make_dataset(target_model, prompts, n_new=n_new, taps=task_taps(kind, target_model.cfg),
+                           batch=gen_batch, temperature=temperature, seed=cfg.seed,
+                           cache_dir=cache_dir)
+    task = make_task(kind, target_model, dataset, **(opts or {}))
+    return train(task, target_model, dataset, cfg, pathlib.Path(out_dir), resume=resume,
+                 command=command, stop_after=stop_after)

@@ -1,0 +1,267 @@
+"""Drafter distillation: the losses against float64 NumPy, the data against HF
+transformers, drafter checkpoints, and a killed training run that resumes exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from conftest import assert_one_line_error
+from jaxdec import api, corpora
+from jaxdec.spec import store
+from jaxdec.train import data, loop, losses, small
+from tiny_hf import VOCAB, build
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------- losses
+
+
+def np_log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def np_kl(p_logits, q_logits):
+    lp, lq = np_log_softmax(p_logits), np_log_softmax(q_logits)
+    return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+def random_case(rng, shape=(3, 7), vocab=50):
+    p = rng.standard_normal((*shape, vocab)) * 3
+    q = rng.standard_normal((*shape, vocab)) * 3
+    mask = (rng.random(shape) < 0.6).astype(np.float32)
+    mask[0, 0] = 1.0
+    return p.astype(np.float32), q.astype(np.float32), mask
+
+
+def test_kl_losses_match_numpy():
+    p, q, mask = random_case(np.random.default_rng())
+    for fn, ref in ((losses.forward_kl, np_kl(p, q)), (losses.reverse_kl, np_kl(q, p))):
+        want = (ref * mask).sum() / mask.sum()
+        np.testing.assert_allclose(float(fn(jnp.asarray(p), jnp.asarray(q), mask)), want, rtol=1e-5)
+
+
+def test_cross_entropy_and_agreement_match_numpy():
+    rng = np.random.default_rng()
+    p, q, mask = random_case(rng)
+    labels = rng.integers(0, p.shape[-1], mask.shape)
+    nll = -np.take_along_axis(np_log_softmax(q), labels[..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(losses.cross_entropy(q, labels, mask)),
+                               (nll * mask).sum() / mask.sum(), rtol=1e-5)
+    same = (p.argmax(-1) == q.argmax(-1)) * mask
+    np.testing.assert_allclose(float(losses.top1_agreement(p, q, mask)), same.sum() / mask.sum())
+    assert float(losses.forward_kl(p, q, np.zeros_like(mask))) == 0.0  # empty mask: 0, not NaN
+
+
+logit_rows = hnp.arrays(np.float32, (2, 9), elements=st.floats(-20, 20, width=32))
+
+
+@settings(deadline=None, max_examples=40)
+@given(logit_rows, logit_rows, st.floats(-5, 5))
+def test_kl_nonnegative_and_zero_only_for_equal(a, b, shift):
+    kl_ab = np.asarray(losses.kl(a, b))
+    assert (kl_ab >= -1e-6).all()
+    np.testing.assert_allclose(np.asarray(losses.kl(a, a + np.float32(shift))), 0, atol=1e-5)
+    gap = np.abs(np.exp(np_log_softmax(a)) - np.exp(np_log_softmax(b))).sum(-1)
+    assert (kl_ab[gap > 1e-2] > 0).all()  # distinct distributions: strictly positive
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf, cfg, params = build("llama", seed=5)
+    return hf, api.Model(cfg=cfg, params=params, tokenizer=None, source="tiny-llama-5")
+
+
+def byte_tokenizer():
+    """A byte-level BPE without merges: every text encodes, ids < 256 <= the tiny vocab."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxdec.checkpoint.tokenizer import Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend=backend)
+
+
+def test_prompt_splits_are_disjoint_document_prefixes():
+    tok = byte_tokenizer()
+    train = data.prompt_set(tok, split="train", prompt_len=20, n=60)
+    held = data.heldout_prompts(tok, 30, prompt_len=20)
+    assert all(len(r) == 20 for r in train + held)
+    assert not {tuple(r) for r in train} & {tuple(r) for r in held}
+    prose = [d for i, d in enumerate(data.documents("prose")) if i % 10 == 9]
+    code = [d for i, d in enumerate(data.documents("code")) if i % 10 == 9]
+    first = lambda docs: next(tok.encode(d)[:20] for d in docs if len(tok.encode(d)) >= 20)
+    assert held[0] == first(prose) and held[1] == first(code)  # interleaved corpora
+    assert_one_line_error(data.prompt_set, tok, split="test", match="unknown prompt split")
+
+
+def test_batches_depend_on_seed_and_step_only():
+    n, b = 23, 4
+    epoch = np.concatenate([data.batch_rows(n, b, 7, s) for s in range(n // b)])
+    assert len(set(epoch)) == len(epoch) == (n // b) * b  # each row at most once an epoch
+    again = [data.batch_rows(n, b, 7, s) for s in (3, 9, 40)]
+    np.testing.assert_array_equal(np.concatenate(again), np.concatenate(
+        [data.batch_rows(n, b, 7, s) for s in (3, 9, 40)]))
+    assert not np.array_equal(data.batch_rows(n, b, 7, 0), data.batch_rows(n, b, 8, 0))
+    assert_one_line_error(data.batch_rows, 3, 4, 0, 0, match="at least that many")
+
+
+def test_dataset_is_the_targets_greedy_continuation_and_features(tiny, tmp_path, monkeypatch):
+    """Tokens: HF's greedy continuation; final and taps: HF's hidden states (bf16);
+    mask: exactly the generated tokens. A second call loads the cached file."""
+    hf, model = tiny
+    rng = np.random.default_rng()
+    prompts = [list(rng.integers(0, VOCAB - 1, n)) for n in (9, 6, 9)]
+    n_new, taps = 10, (2, 0)
+    ds = data.make_dataset(model, prompts, n_new=n_new, taps=taps, batch=2, cache_dir=tmp_path)
+    assert ds.tokens.shape == (3, 9 + n_new) and ds.taps.shape == (3, 9 + n_new, 2, 64)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False,
+                              eos_token_id=VOCAB - 1, pad_token_id=0)
+            seq = out[0].numpy()
+            hs = hf(out, output_hidden_states=True).hidden_states
+        n = len(seq)
+        np.testing.assert_array_equal(ds.tokens[i, :n], seq)
+        t = np.arange(ds.mask.shape[1])
+        np.testing.assert_array_equal(ds.mask[i], (t >= len(p)) & (t < n))
+        final = ds.final[i, :n].astype(np.float32)
+        np.testing.assert_allclose(final, hs[-1][0].numpy(), rtol=2e-2, atol=2e-2)
+        for j, layer in enumerate(taps):
+            np.testing.assert_allclose(ds.taps[i, :n, j].astype(np.float32), hs[layer][0].numpy(),
+                                       rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(data, "_generate", lambda *a: pytest.fail("regenerated"))
+    again = data.make_dataset(model, prompts, n_new=n_new, taps=taps, batch=2, cache_dir=tmp_path)
+    np.testing.assert_array_equal(again.final.view(np.uint16), ds.final.view(np.uint16))
+    assert len(list(tmp_path.iterdir())) == 1  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------- small task
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny, tmp_path_factory):
+    _, model = tiny
+    rng = np.random.default_rng(11)  # fixed: one dataset serves the module
+    prompts = [list(rng.integers(0, VOCAB - 1, 9)) for _ in range(16)]
+    # shapes as in the test above: its compiled generation serves
+    return data.make_dataset(model, prompts, n_new=10, taps=(), batch=2,
+                             cache_dir=tmp_path_factory.mktemp("distill"))
+
+
+def test_small_loss_aligns_draft_and_target_positions(tiny, tiny_data):
+    """A full-depth copy of the target drafts the target itself: KL ~ 0 and top-1 = 1 (an
+    off-by-one between the two would not be); a 1-layer cut is far from it."""
+    _, model = tiny
+    batch = tiny_data.rows(np.arange(8))
+    for layers, low in ((3, True), (1, False)):
+        task = small.SmallDistill.for_target(model, tiny_data, layers=layers)
+        loss, metrics = jax.jit(task.loss)(task.init(None), task.frozen(model), batch, None)
+        assert (float(loss) < 1e-3) == low, (layers, float(loss))
+        assert (float(metrics["top1"]) > 0.97) == low
+
+
+def test_drafter_checkpoint_round_trip_and_errors(tiny, tiny_data, tmp_path):
+    _, model = tiny
+    task = small.SmallDistill.for_target(model, tiny_data, layers=2, k=3)
+    params = jax.tree.map(lambda x: x + 0.01 * np.random.default_rng().standard_normal(x.shape)
+                          .astype(x.dtype), task.init(None))
+    path = store.save_drafter(tmp_path / "d", task, params, {"target": store.target_info(model)})
+    drafter = store.load_drafter(path, model)
+    assert drafter.k == 3 and drafter.cfg == task.cfg
+    want = task.drafter(params).params
+    jax.tree.map(np.testing.assert_array_equal, drafter.params, want)
+    store.save_drafter(path, task, task.init(None))  # replaces a drafter, never in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    (tmp_path / "other").mkdir()
+    assert_one_line_error(store.save_drafter, tmp_path / "other", task, params,
+                          match="not a drafter checkpoint; refusing")
+    assert_one_line_error(store.load_drafter, tmp_path / "nothing", model, match="no drafter.json")
+    _, cfg2, params2 = build("qwen2", seed=1)
+    other = api.Model(cfg=cfg2, params=params2, tokenizer=None, source="tiny-qwen")
+    store.save_drafter(path, task, params, {"target": store.target_info(model)})
+    assert_one_line_error(store.load_drafter, path, other, match="trained for target 'tiny-llama-5'")
+    (path / "drafter.json").write_text("{not json")
+    assert_one_line_error(store.load_drafter, path, model, match="unreadable drafter.json")
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def test_training_lowers_the_loss_and_saves_the_drafter(tiny, tiny_data, tmp_path):
+    _, model = tiny
+    task = small.SmallDistill.for_target(model, tiny_data, layers=1)
+    cfg = loop.TrainConfig(steps=24, batch_size=4, lr=3e-3, warmup=2, log_every=1, ckpt_every=50)
+    result = loop.train(task, model, tiny_data, cfg, tmp_path)
+    first = np.mean([h["loss"] for h in result.history[:4]])
+    last = np.mean([h["loss"] for h in result.history[-4:]])
+    assert last < 0.7 * first, (first, last)
+    loaded = store.load_drafter(result.drafter_path, model)
+    jax.tree.map(np.testing.assert_array_equal, loaded.params.layers, result.params.layers)
+    assert_one_line_error(loop.train, task, model, tiny_data, cfg, tmp_path, resume=False,
+                          match="already holds a training run")
+    other = dataclasses.replace(cfg, lr=0.5)
+    assert_one_line_error(loop.train, task, model, tiny_data, other, tmp_path,
+                          match=r"other settings \(train\)")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny Llama saved as a jaxdec checkpoint with a byte tokenizer (for the CLI)."""
+    _, cfg, params = build("llama", seed=6)
+    path = tmp_path_factory.mktemp("target") / "tiny"
+    api.save(api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny"), path)
+    return path
+
+
+def distill_cli(target, out, cache, *extra):
+    """The script on the tiny target; the runs share a compilation cache beside the data."""
+    args = [sys.executable, str(REPO / "scripts" / "train_drafter.py"), "--target", str(target),
+            "--drafter", "small", "--out", str(out), "--cache-dir", str(cache), "--steps", "8",
+            "--batch", "4", "--lr", "1e-2", "--n-prompts", "12", "--prompt-len", "8",
+            "--n-new", "8", "--gen-batch", "12", "--layers", "1", "--log-every", "1",
+            "--ckpt-every", "3", *extra]
+    env = dict(os.environ, JAXDEC_XLA_CACHE=str(cache / "xla"))
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_killed_run_resumes_with_identical_losses(tiny_checkpoint, tmp_path):
+    """Stopped hard after step 6's checkpoint, with a step logged past it and a torn log
+    line, the resumed run logs exactly the losses of an uninterrupted one."""
+    cache = tmp_path / "cache"
+    r = distill_cli(tiny_checkpoint, tmp_path / "a", cache, "--stop-after", "5")
+    assert r.returncode == 0 and not (tmp_path / "a" / "drafter").exists(), r.stderr
+    assert [m["step"] for m in loop.read_metrics(tmp_path / "a")] == list(range(1, 7))
+    with open(tmp_path / "a" / loop.METRICS_FILE, "a") as f:
+        f.write('{"step": 7, "loss": 123.0}\n{"step": 8, "lo')
+    r = distill_cli(tiny_checkpoint, tmp_path / "a", cache)
+    assert r.returncode == 0, r.stderr
+    r = distill_cli(tiny_checkpoint, tmp_path / "b", cache)
+    assert r.returncode == 0, r.stderr
+    resumed, straight = loop.read_metrics(tmp_path / "a"), loop.read_metrics(tmp_path / "b")
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in straight],
+                               rtol=1e-6, atol=0)
+    assert (tmp_path / "a" / "drafter" / "drafter.json").is_file()
