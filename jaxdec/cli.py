@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-method", default="tli", choices=["tli", "slem"],
                    help="cross-vocabulary drafting: token-level intersection or string-level "
                         "exact match")
+    g.add_argument("--draft-weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"],
+                   help="a model drafter's weight format (quantised: a cheaper drafter)")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _model_flags(c)

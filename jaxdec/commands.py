@@ -76,7 +76,8 @@ def _drafter(args, model):
     if args.draft_k is not None and args.draft_k <= 0:
         raise JaxdecError(f"--draft-k must be positive (got {args.draft_k})")
     from jaxdec.spec import drafters
-    return drafters.load(args.draft, model, k=args.draft_k, method=args.draft_method)
+    return drafters.load(args.draft, model, k=args.draft_k, method=args.draft_method,
+                         weights=args.draft_weights)
 
 
 def _spec_line(res) -> str:

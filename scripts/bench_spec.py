@@ -3,10 +3,10 @@
     python scripts/bench_spec.py --target smollm2 \
         --drafters checkpoints/eagle3-smollm2/drafter,checkpoints/pard-smollm2/drafter,layers:8
     python scripts/bench_spec.py --target qwen2.5-coder-0.5b --prompts code \
-        --drafters smollm2@tli,smollm2@slem
+        --drafters smollm2@tli,smollm2@slem,smollm2@tli+int4
 
 Each drafter is a trained drafter checkpoint, a model (another vocabulary: `@tli` or
-`@slem`), or layers:N. Prints mean accepted length, tokens/s, speed-up over plain decoding,
+`@slem`; `+int8`/`+int4`/`+gguf`: its weights quantised, a cheaper drafter), or layers:N. Prints mean accepted length, tokens/s, speed-up over plain decoding,
 whether the tokens are identical (they must be), ms per round against the verification
 forward alone, the ceiling (the speed-up if drafting were free), and acceptance by position.
 """

@@ -91,8 +91,10 @@ def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
     rows = [Row("plain decode", sec, n)]
     widths = {}
     for src in drafter_srcs:
-        name, _, meth = src.partition("@")  # "smollm2@slem": cross-vocabulary method
-        drafter = drafters.load(name, model, k=k, method=meth or method)
+        # "smollm2@slem+int4": a cross-vocabulary method, the drafter's weight format
+        src_w, _, weights = src.partition("+")
+        name, _, meth = src_w.partition("@")
+        drafter = drafters.load(name, model, k=k, method=meth or method, weights=weights or None)
         sec, n, ids, spec = _run(model, prompts, n_new, drafter, chat)
         rows.append(Row(src, sec, n, identical=ids == base_ids, spec=spec))
         if not isinstance(drafter, drafters.CrossVocab):

@@ -33,9 +33,11 @@ class CrossVocab:
     k: int = DEFAULT_K
 
 
-def load(src: str, target, *, k: int | None = None, method: str = "tli"):
+def load(src: str, target, *, k: int | None = None, method: str = "tli",
+         weights: str | None = None):
     """A drafter for `target` from a drafter checkpoint directory, "layers:N", or a model
-    (a registry name, a .gguf file, a HF dir or a jaxdec checkpoint)."""
+    (a registry name, a .gguf file, a HF dir or a jaxdec checkpoint) whose matmul weights
+    are loaded as `weights` (`jaxdec.load`'s: "int8", "int4", ... a cheaper drafter)."""
     import jaxdec
 
     path = pathlib.Path(src)
@@ -47,7 +49,7 @@ def load(src: str, target, *, k: int | None = None, method: str = "tli"):
         n = _int(src.split(":", 1)[1], "layers:N")
         cfg, params = small_model.truncated(target.cfg, target.params, n)
         return small_model.SmallModel(cfg=cfg, k=k or DEFAULT_K, params=params)
-    model = jaxdec.load(src, dtype=str(target.dtype))
+    model = jaxdec.load(src, dtype=str(target.dtype), weights=weights)
     if same_vocab(model.tokenizer, target.tokenizer):
         return small_model.SmallModel(cfg=model.cfg, k=k or DEFAULT_K, params=model.params)
     if method not in ("tli", "slem"):
