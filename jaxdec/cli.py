@@ -154,6 +154,8 @@ def _distill_parser(sub) -> None:
     o.add_argument("--k", type=int, default=None, help="draft tokens per round")
     o.add_argument("--draft-vocab", type=int, default=None, help="eagle3: draft vocabulary size")
     o.add_argument("--unroll", type=int, default=None, help="eagle3: training-time-test steps")
+    o.add_argument("--d-ff", type=int, default=None, help="eagle3: the layer's MLP width "
+                   "(default: the target's)")
 
 
 def enable_compile_cache() -> None:

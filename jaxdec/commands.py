@@ -237,7 +237,7 @@ def _human(n: int) -> str:
 
 
 
-_DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll")
+_DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll", "d_ff")
 
 
 def distill(args) -> int:

@@ -39,7 +39,10 @@ class Row:
 def _run(model, prompts, n_new, drafter=None, chat=False):
     """(seconds, tokens, ids, merged stats) over prompts one at a time (batch 1), after a
     warm-up generation that compiles."""
-    gen = partial(jaxdec.generate, model, max_new_tokens=n_new, drafter=drafter, chat=chat)
+    if isinstance(prompts[0], str):
+        gen = partial(jaxdec.generate, model, max_new_tokens=n_new, drafter=drafter, chat=chat)
+    else:  # token rows (held-out corpus prompts)
+        gen = partial(jaxdec.api.generate_ids, model, max_new_tokens=n_new, drafter=drafter)
     gen([prompts[0]])
     t0 = time.perf_counter()
     outs = [gen([p]) for p in prompts]
