@@ -54,10 +54,12 @@ def _run(model, prompts, n_new, drafter=None, chat=False):
 def _merge(specs):
     if not specs or specs[0] is None:
         return None
-    if "accepted_hist" not in specs[0]:  # cross-vocabulary stats: averaged as reported
-        return {"mean_accepted": float(np.mean([s["mean_accepted"] for s in specs])),
-                "rounds": sum(s["rounds"] for s in specs),
-                "accept_by_position": list(np.mean([s["accept_by_position"] for s in specs], 0))}
+    if "accepted_hist" not in specs[0]:  # cross-vocabulary stats: weighted by row-rounds
+        w = np.array([s["row_rounds"] for s in specs], np.float64)
+        mean = lambda key: np.average([s[key] for s in specs], axis=0, weights=w)
+        split = {k: sum(s[k] for s in specs) for k in specs[0] if k.startswith("seconds_")}
+        return {"mean_accepted": float(mean("mean_accepted")), "rounds": int(w.sum()),
+                "accept_by_position": mean("accept_by_position").tolist(), **split}
     hist = np.sum([s["accepted_hist"] for s in specs], axis=0)
     rounds, tokens = sum(s["rounds"] for s in specs), sum(s["tokens"] for s in specs)
     return {"rounds": rounds, "mean_accepted": tokens / max(rounds, 1), "accepted_hist": hist.tolist(),
@@ -129,6 +131,11 @@ def table(report: dict) -> str:
         lines.append(f"{r['name']:<34} {fmt(mal, '5.2f')} {r['tok_s']:7.1f} {r['speedup']:7.2f}x "
                      f"{same:>5} {fmt(ms_round, '8.1f')} {fmt(verify, '7.1f')} "
                      f"{fmt(ceiling, '6.2f')}x  {by_pos}")
+        split = {k[8:]: v for k, v in spec.items() if k.startswith("seconds_")}
+        if split:  # cross-vocabulary rounds run on the host: where their time goes
+            total = sum(split.values())
+            lines.append(f"{'':<34} time: " + ", ".join(
+                f"{k} {v / total:.0%}" for k, v in split.items()))
     return "\n".join(lines)
 
 

@@ -490,9 +490,10 @@ class _Tally:
     def stats(self, seconds: dict) -> dict:
         per = max(self.row_rounds, 1)
         return {"rounds": self.rounds, "row_rounds": self.row_rounds,
-                "mean_accepted": self.accepted / per,
-                "tokens_per_round": (self.accepted + self.row_rounds) / per,
-                "acceptance_by_position": (self.kept / np.maximum(self.drafted, 1)).tolist(),
+                "mean_accepted": (self.accepted + self.row_rounds) / per,
+                "drafts_kept": self.accepted / per,
+                "accept_by_position": (self.kept / per).tolist(),
+                "kept_when_drafted": (self.kept / np.maximum(self.drafted, 1)).tolist(),
                 "mean_drafted": float(self.drafted.sum()) / per,
                 **{f"seconds_{k}": v for k, v in seconds.items()},
                 "seconds": sum(seconds.values())}
@@ -508,8 +509,9 @@ def generate(target_model, drafter_model, prompt_ids_rows: Sequence[Sequence[int
     `prompt_ids_rows` are target ids (rows may differ in length). `method`: "tli" or
     "slem" (module docstring). `capacity` sizes the target's cache (default: just enough);
     `min_overlap` is the share of the drafter's tokens TLI needs in V_both. Stats: rounds,
-    mean_accepted (drafts kept per row-round), tokens_per_round, acceptance_by_position
-    (kept / drafted at draft position i), and seconds (prefill, draft, verify, host)."""
+    mean_accepted (tokens per row-round, as `core.stats`), drafts_kept (per row-round),
+    accept_by_position (the share of row-rounds that kept draft i), kept_when_drafted
+    (kept / drafted at position i), and seconds (prefill, draft, verify, host)."""
     prompts = [list(map(int, r)) for r in prompt_ids_rows]
     cap = _check(target_model, drafter_model, prompts, method=method, k=k,
                  max_new_tokens=max_new_tokens, capacity=capacity)
