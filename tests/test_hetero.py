@@ -103,17 +103,24 @@ def tiny_pair():
 
 @pytest.mark.parametrize("method", hetero.METHODS)
 def test_tiny_greedy_is_plain_greedy(tiny_pair, method):
-    """Ragged rows, the target's stop id: identical tokens; drafts both kept and refused."""
+    """Ragged rows, the target's stop id: identical tokens, on fresh prompts until drafts
+    were both kept and refused (a tiny model's greedy loop is sometimes drafted perfectly)."""
     target, drafter = tiny_pair
     rng = np.random.default_rng()
-    prompts = [rng.integers(0, T_EOS, n).tolist() for n in (5, 11, 2, 7)]
-    emitted = np.bincount(np.concatenate(plain(target, prompts, 40)), minlength=len(TARGET))
-    stop = (int(np.argmin(np.where(emitted > 0, emitted, 1 << 30))),)  # emitted, rarely
-    want = plain(target, prompts, 40, stop_ids=stop)
-    got, st = hetero.generate(target, drafter, prompts, method=method, k=3, max_new_tokens=40,
-                              stop_ids=stop)
-    assert got == want
-    assert st["drafts_kept"] > 0.3 and min(st["kept_when_drafted"]) < 1, st
+    kept = refused = 0
+    for _ in range(8):
+        prompts = [rng.integers(0, T_EOS, n).tolist() for n in (5, 11, 2, 7)]
+        emitted = np.bincount(np.concatenate(plain(target, prompts, 40)), minlength=len(TARGET))
+        stop = (int(np.argmin(np.where(emitted > 0, emitted, 1 << 30))),)  # emitted, rarely
+        want = plain(target, prompts, 40, stop_ids=stop)
+        got, st = hetero.generate(target, drafter, prompts, method=method, k=3,
+                                  max_new_tokens=40, stop_ids=stop)
+        assert got == want
+        kept += st["drafts_kept"] > 0.3
+        refused += st["row_rounds"] > 0 and min(st["kept_when_drafted"]) < 1
+        if kept and refused:
+            break
+    assert kept and refused, st
 
 
 # ---------------------------------------------------------------------------- sampling
