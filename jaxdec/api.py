@@ -266,9 +266,13 @@ def _score(params, tokens, positions, cfg):
     return transformer.forward(params, tokens, positions, None, cfg)[0]
 
 
-def _pad(rows: Sequence[Sequence[int]], multiple: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_rows(rows: Sequence[Sequence[int]], multiple: int = 1, *,
+             width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[B, W] token rows right-padded with 0s, i32[B] their lengths): W is `width`, or
+    the longest row rounded up to a `multiple` (so few widths compile)."""
     lens = np.array([len(r) for r in rows], np.int32)
-    width = max(1, int(-(-lens.max() // multiple) * multiple))
+    if width is None:
+        width = max(1, int(-(-lens.max() // multiple) * multiple))
     out = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
@@ -291,7 +295,7 @@ def score(model: Model, token_ids) -> np.ndarray:
     if not rows or min(len(r) for r in rows) == 0:
         raise JaxdecError("score needs at least one non-empty row of token ids")
     _check_ids(rows, model.cfg.vocab_size)
-    tokens, lens = _pad(rows, 16)
+    tokens, lens = pad_rows(rows, 16)
     _check_context(model.cfg, int(lens.max()), 0)
     steps = np.arange(tokens.shape[1])[None]
     positions = np.where(steps < lens[:, None], steps, -1).astype(np.int32)
@@ -381,7 +385,7 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
     n_rows = len(rows)
     if model.mesh is not None:  # fill the `data` axis with idle rows (token limit 0)
         rows = rows + [rows[0]] * _idle_rows(model, n_rows)
-    tokens, lens = _pad(rows, 32)
+    tokens, lens = pad_rows(rows, 32)
     _check_context(model.cfg, int(lens.max()), max_new_tokens)
     capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
     cache = init_cache(model, len(rows), capacity)

@@ -18,7 +18,6 @@ import gc
 import math
 import os
 import sys
-import time
 
 from jaxdec.errors import JaxdecError
 

@@ -24,14 +24,16 @@ def prompt_set(kind: str, n: int, target: str):
         return list(CODE_TASKS[:n]), True
     import jaxdec
     from jaxdec.train import data
-    return data.heldout_prompts(jaxdec.load(target).tokenizer, n), False
+    # "train": the first corpus prompts, which `jaxdec distill` trains on (a drafter's
+    # acceptance there against "heldout" shows how far it generalises)
+    return data.prompt_set(jaxdec.load(target).tokenizer, split=kind, n=n), False
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafters", required=True, help="comma-separated drafter sources")
-    p.add_argument("--prompts", default="heldout", choices=["heldout", "code"])
+    p.add_argument("--prompts", default="heldout", choices=["heldout", "train", "code"])
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=None, help="override the drafters' draft length")
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     try:
         prompts, chat = prompt_set(args.prompts, args.n_prompts, args.target)
         report = spec_bench.run(args.target, args.drafters.split(","), prompts, args.new_tokens,
-                                k=args.k, chat=chat)
+                                k=args.k, chat=chat, label=args.prompts)
     except JaxdecError as e:
         print(f"bench_spec: error: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,21 @@ def hf_tokenizer(name: str):
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Each test module's compiled executables (and HF's torch models) are let go when the
+    module ends. Kept for the whole session they grew the process past 16 GB, and XLA's
+    compiler then crashed late in the suite."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    hf_model.cache_clear()
+    gc.collect()
+
+
 @pytest.fixture(scope="session", params=REAL_MODELS)
 def real_model_name(request):
     return request.param

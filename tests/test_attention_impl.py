@@ -47,7 +47,7 @@ def test_quantized_cache_pallas_matches_xla(kind):
 
     model = api.with_attention(jax_model("smollm2"), "xla", kind)
     rows = api.encode_prompts(model, PROMPTS, chat=False)
-    tokens, lens = api._pad(rows, 8)
+    tokens, lens = api.pad_rows(rows, 8)
     cache = api.init_cache(model, len(rows), 64)
     _, cache = decode.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lens), model.cfg)
     q = jnp.asarray(np.random.default_rng(0).standard_normal((3, model.cfg.n_heads, 64)), jnp.float32)

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdec import decode, layers, pytree, sampling
+from jaxdec import api, decode, layers, pytree, sampling
 from jaxdec.cache import dense
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -116,10 +116,7 @@ def test_bad_settings_raise(tiny):
 
 
 def _padded(rows, width):
-    out = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
+    return api.pad_rows(rows, width=width)[0]
 
 
 def _check_drafts(model, drafter, task, seqs, last, toks, q, rows):
@@ -142,6 +139,18 @@ def _check_drafts(model, drafter, task, seqs, last, toks, q, rows):
             np.testing.assert_allclose(np.asarray(q[b]), want, atol=2e-5)
 
 
+def _prefilled(model, drafter, lens, rng):
+    """Random prompts of `lens` tokens prefilled into a fresh drafter state -> (prompt
+    rows, params, jitted drafter, state, each row's newest token)."""
+    seqs = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in lens]
+    prompts = _padded(seqs, WIDTH)
+    _, taps = target_features(model, prompts)
+    dp, run = drafter.params, jitted(drafter)
+    state = drafter.init(dp, len(lens), 64, jnp.float32)
+    state = run.prefill(dp, state, jnp.asarray(prompts), jnp.asarray(lens), taps)
+    return seqs, dp, run, state, rng.integers(0, model.cfg.vocab_size, len(lens))
+
+
 @pytest.mark.parametrize("sampler", [sampling.Greedy(), sampling.Sample(temperature=1.0)],
                          ids=["greedy", "sample"])
 def test_cached_drafting_matches_the_ttt_unroll(tiny, sampler):
@@ -152,13 +161,7 @@ def test_cached_drafting_matches_the_ttt_unroll(tiny, sampler):
     task = make_task(tiny, rng, k=3)
     drafter = task.drafter(strong_params(task, seed=1))
     lens = np.array([7, 4, 9])
-    seqs = [rng.integers(0, tiny.cfg.vocab_size, n).tolist() for n in lens]
-    prompts = _padded(seqs, WIDTH)
-    _, taps = target_features(tiny, prompts)
-    dp, run = drafter.params, jitted(drafter)
-    state = drafter.init(dp, 3, 64, jnp.float32)
-    state = run.prefill(dp, state, jnp.asarray(prompts), jnp.asarray(lens), taps)
-    last = rng.integers(0, tiny.cfg.vocab_size, 3)
+    seqs, dp, run, state, last = _prefilled(tiny, drafter, lens, rng)
     active = jnp.ones(3, bool)
     toks, q, state = run.draft(dp, state, jnp.asarray(last, jnp.int32), active,
                                    jax.random.key(0), sampler)
@@ -226,14 +229,7 @@ def test_draft_tree_is_eagle2s_tree_over_the_ttt_logits(tiny):
     spec = TreeSpec(depth=3, top_k=3, budget=9)
     task = make_task(tiny, rng, k=3, tree=spec)
     drafter = task.drafter(strong_params(task, seed=2))
-    lens = np.array([6, 9])
-    seqs = [rng.integers(0, tiny.cfg.vocab_size, n).tolist() for n in lens]
-    prompts = _padded(seqs, WIDTH)
-    _, taps = target_features(tiny, prompts)
-    dp, run = drafter.params, jitted(drafter)
-    state = drafter.init(dp, 2, 64, jnp.float32)
-    state = run.prefill(dp, state, jnp.asarray(prompts), jnp.asarray(lens), taps)
-    last = rng.integers(0, tiny.cfg.vocab_size, 2)
+    seqs, dp, run, state, last = _prefilled(tiny, drafter, np.array([6, 9]), rng)
     tokens, parents, _ = run.draft_tree(dp, state, jnp.asarray(last, jnp.int32),
                                             jnp.ones(2, bool), jax.random.key(0))
     for b in range(2):

@@ -15,7 +15,7 @@ import pytest
 from scipy import special, stats
 
 from conftest import assert_one_line_error, jax_model
-from jaxdec import decode
+from jaxdec import api, decode
 from jaxdec.api import Model
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
@@ -83,7 +83,7 @@ def perturbed(params, rel: float):
 
 def plain(model, prompts, n, sampler=Greedy(), stop_ids=()):
     """Plain decoding (`decode.generate_tokens`) -> generated ids per row."""
-    tokens, lens = hetero._padded(prompts, max(map(len, prompts)))
+    tokens, lens = api.pad_rows(prompts)
     cache = dense.init_cache(model.cfg, len(prompts), tokens.shape[1] + n)
     limits = np.full(len(prompts), n, np.int32)
     prog, _ = decode.generate_tokens(model.params, cache, tokens, lens, jax.random.key(0),

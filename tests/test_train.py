@@ -129,8 +129,10 @@ def test_batches_depend_on_seed_and_step_only():
 
 
 def test_dataset_is_the_targets_greedy_continuation_and_features(tiny, tmp_path, monkeypatch):
-    """Tokens: HF's greedy continuation; final and taps: HF's hidden states (bf16);
-    mask: exactly the generated tokens. A second call loads the cached file."""
+    """Tokens: the target's greedy continuation (each generated token is HF's argmax given
+    the row so far, up to a float near tie; a row stops early only at EOS); final and taps:
+    HF's hidden states (bf16); mask: exactly the generated tokens. A second call loads the
+    cached file."""
     hf, model = tiny
     rng = np.random.default_rng()
     prompts = [list(rng.integers(0, VOCAB - 1, n)) for n in (9, 6, 9)]
@@ -138,16 +140,19 @@ def test_dataset_is_the_targets_greedy_continuation_and_features(tiny, tmp_path,
     ds = data.make_dataset(model, prompts, n_new=n_new, taps=taps, batch=2, cache_dir=tmp_path)
     assert ds.tokens.shape == (3, 9 + n_new) and ds.taps.shape == (3, 9 + n_new, 2, 64)
     for i, p in enumerate(prompts):
+        n = len(p) + int(ds.mask[i].sum())
+        seq = ds.tokens[i, :n]
+        np.testing.assert_array_equal(seq[: len(p)], p)
+        assert n == len(p) + n_new or seq[-1] == VOCAB - 1
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False,
-                              eos_token_id=VOCAB - 1, pad_token_id=0)
-            seq = out[0].numpy()
-            hs = hf(out, output_hidden_states=True).hidden_states
-        n = len(seq)
-        np.testing.assert_array_equal(ds.tokens[i, :n], seq)
+            out = hf(torch.tensor(seq[None].astype(np.int64)), output_hidden_states=True)
+        logits = out.logits[0].numpy()[len(p) - 1: n - 1]
+        chosen = np.take_along_axis(logits, seq[len(p):, None], 1)[:, 0]
+        np.testing.assert_array_less(logits.max(1) - chosen, 1e-4)  # greedy up to a near tie
         t = np.arange(ds.mask.shape[1])
         np.testing.assert_array_equal(ds.mask[i], (t >= len(p)) & (t < n))
         final = ds.final[i, :n].astype(np.float32)
+        hs = out.hidden_states
         np.testing.assert_allclose(final, hs[-1][0].numpy(), rtol=2e-2, atol=2e-2)
         for j, layer in enumerate(taps):
             np.testing.assert_allclose(ds.taps[i, :n, j].astype(np.float32), hs[layer][0].numpy(),

@@ -41,7 +41,7 @@ def _run(model, prompts, n_new, drafter=None, chat=False):
     warm-up generation that compiles."""
     if isinstance(prompts[0], str):
         gen = partial(jaxdec.generate, model, max_new_tokens=n_new, drafter=drafter, chat=chat)
-    else:  # token rows (held-out corpus prompts)
+    else:  # token rows (corpus prompts)
         gen = partial(jaxdec.api.generate_ids, model, max_new_tokens=n_new, drafter=drafter)
     gen([prompts[0]])
     t0 = time.perf_counter()
@@ -66,9 +66,10 @@ def _merge(specs):
             "accept_by_position": [float(hist[i:].sum() / max(rounds, 1)) for i in range(1, len(hist))]}
 
 
-def forward_ms(model, width: int, context: int = 96, repeats: int = 10) -> float:
+def forward_ms(model, width: int, context: int = 96, repeats: int = 15) -> float:
     """Milliseconds of one target forward over `width` new tokens after `context` cached ones
-    (a plain decode step is width 1; a verification is the draft's width)."""
+    (a plain decode step is width 1; a verification is the draft's width): the median of
+    `repeats` calls timed one by one (a mean let one slow call move the ceiling by 40%)."""
     cfg = model.cfg
 
     @partial(jax.jit, donate_argnums=1)
@@ -82,15 +83,18 @@ def forward_ms(model, width: int, context: int = 96, repeats: int = 10) -> float
     toks = jnp.ones((1, width), jnp.int32)
     out, cache = step(model.params, cache, toks)
     out.block_until_ready()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        t0 = time.perf_counter()
         out, cache = step(model.params, cache, toks)
-    out.block_until_ready()
-    return (time.perf_counter() - t0) / repeats * 1e3
+        out.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
 
 
 def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
-        k: int | None = None, method: str = "tli", dtype: str = "float32", chat=False) -> dict:
+        k: int | None = None, method: str = "tli", dtype: str = "float32", chat=False,
+        label: str = "held-out") -> dict:
     model = jaxdec.load(target, dtype=dtype)
     sec, n, base_ids, _ = _run(model, prompts, n_new, chat=chat)
     rows = [Row("plain decode", sec, n)]
@@ -106,14 +110,14 @@ def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
             widths[src] = core.draft_width(drafter)
     plain_ms = forward_ms(model, 1)
     verify_ms = {w: forward_ms(model, w) for w in sorted(set(widths.values()))}
-    return {"target": target, "prompts": len(prompts), "new_tokens": n_new, "plain_step_ms": plain_ms,
+    return {"target": target, "prompts": len(prompts), "label": label, "new_tokens": n_new, "plain_step_ms": plain_ms,
             "rows": [dict(dataclasses.asdict(r), tok_s=r.tok_s, speedup=r.tok_s / rows[0].tok_s,
                           verify_ms=verify_ms.get(widths.get(r.name)))
                      for r in rows]}
 
 
 def table(report: dict) -> str:
-    lines = [f"target {report['target']}: {report['prompts']} held-out prompts x "
+    lines = [f"target {report['target']}: {report['prompts']} {report.get('label', '')} prompts x "
              f"{report['new_tokens']} new tokens, batch 1, greedy; one plain decode step "
              f"{report['plain_step_ms']:.1f} ms",
              f"{'drafter':<34} {'MAL':>5} {'tok/s':>7} {'speed-up':>8} {'same':>5} "

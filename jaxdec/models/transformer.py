@@ -135,21 +135,28 @@ def _take(table: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
+def project_qkv(x, p: Attention, positions, cfg: ModelConfig, mm=layers.linear):
+    """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]: biases, q/k norms and RoPE
+    applied. `mm` is the matmul (`layers.linear`; training passes a differentiable one)."""
+    q, k, v = mm(x, p.wq), mm(x, p.wk), mm(x, p.wv)
+    if p.bq is not None:
+        q, k, v = q + p.bq, k + p.bk, v + p.bv
+    if p.q_norm is not None:
+        q, k = layers.rms_norm(q, p.q_norm, cfg.norm_eps), layers.rms_norm(k, p.k_norm, cfg.norm_eps)
+    if cfg.attention_rope:
+        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
+        q, k = layers.rope(q, positions, inv_freq, factor), layers.rope(k, positions, inv_freq, factor)
+    return q, k, v
+
+
 def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig,
                     tree: "Tree | None" = None):
     """x: [B, T, D] -> ([B, T, D], updated cache layer). `past` (bool[B, T, S]) marks the
     cache slots each query sees besides the chunk itself (None without a cache); `tree`
     replaces the chunk's causal mask and the slots it is written to (see `Tree`)."""
     with jax.named_scope("attention"):
-        q, k, v = layers.linear(x, p.wq), layers.linear(x, p.wk), layers.linear(x, p.wv)
-        if p.bq is not None:
-            q, k, v = q + p.bq, k + p.bk, v + p.bv
-        if p.q_norm is not None:
-            q, k = layers.rms_norm(q, p.q_norm, cfg.norm_eps), layers.rms_norm(k, p.k_norm, cfg.norm_eps)
-        if cfg.attention_rope:
-            inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-            factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
-            q, k = layers.rope(q, positions, inv_freq, factor), layers.rope(k, positions, inv_freq, factor)
+        q, k, v = project_qkv(x, p, positions, cfg)
         mask, slots = (dense.chunk_mask(positions), positions) if tree is None else tree
         chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask)
         if kv is None:  # attend within the chunk only

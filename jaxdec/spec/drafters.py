@@ -95,7 +95,7 @@ def generate(model, rows, drafter, *, max_new_tokens, sampler, seed, stop_ids, s
         stopped = np.array([bool(r) and r[-1] in stops for r in ids])
         _replay(stream, tokens, n_gen)
         return api.result(model, rows, tokens, n_gen, stopped, spec)
-    tokens, lens = api._pad(rows, 32)
+    tokens, lens = api.pad_rows(rows, 32)
     api._check_context(model.cfg, int(lens.max()), max_new_tokens + core.draft_width(drafter))
     need = core.need_capacity(tokens.shape[1], max_new_tokens, drafter)
     cache = api.init_cache(model, len(rows), int(math.ceil(need / 64) * 64))

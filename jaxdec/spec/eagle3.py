@@ -40,9 +40,10 @@ from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
-from jaxdec.pytree import ParamSpec, is_spec
+from jaxdec.pytree import ParamSpec, init_params
 from jaxdec.spec.small_model import propose
 from jaxdec.spec.tree import TreeSpec
+from jaxdec.train import losses
 
 STEP_WEIGHT = 0.8  # the loss weight of TTT step t is STEP_WEIGHT ** t (EAGLE-3)
 
@@ -111,19 +112,8 @@ def declare(cfg: Eagle3Config) -> Eagle3Params:
 
 
 def init(cfg: Eagle3Config, rng, dtype=jnp.float32) -> Eagle3Params:
-    """Random weights as `declare` says (`pytree.init_params`' rule), drawn as one normal
-    vector: XLA:CPU compiles each separate draw for seconds."""
-    specs, treedef = jax.tree.flatten(declare(cfg), is_leaf=is_spec)
-    sizes = [math.prod(s.shape) for s in specs]
-    noise = np.split(np.asarray(jax.random.normal(rng, (sum(sizes),), jnp.float32)),
-                     np.cumsum(sizes)[:-1])
-
-    def one(spec: ParamSpec, z):
-        if spec.init != "normal":
-            return jnp.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype)
-        return jnp.asarray(spec.scale * z.reshape(spec.shape), dtype)
-
-    return jax.tree.unflatten(treedef, [one(s, z) for s, z in zip(specs, noise)])
+    """Random weights as `declare` says."""
+    return init_params(declare(cfg), rng, dtype)
 
 
 def token_table(target: transformer.Params) -> transformer.Params:
@@ -236,14 +226,6 @@ def _shift(x: jax.Array, n: int) -> jax.Array:
     return jnp.concatenate([x[:, n:], pad], axis=1)
 
 
-def _project(x, p: transformer.Attention, positions, cfg: ModelConfig):
-    """q [B, T, N, H], k and v [B, T, K, H] with RoPE, as `attention_block` computes them."""
-    q, k, v = xla_linear(x, p.wq), xla_linear(x, p.wk), xla_linear(x, p.wv)
-    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
-    return layers.rope(q, positions, inv_freq, factor), layers.rope(k, positions, inv_freq, factor), v
-
-
 def ttt_attention(q, k0, v0, own: list) -> jax.Array:
     """The attention of TTT step t = len(own) (what drafting step t sees in the cache):
     query j (the chain whose context ends at j) sees the step-0 keys k0/v0 [B, T, K, H] of
@@ -276,7 +258,7 @@ def ttt_logits(net: Eagle3Params, embed: transformer.Params, feats, tokens, step
     for t in range(steps):
         with jax.named_scope(f"ttt_step_{t}"):
             x = _inputs(net, g, _shift(emb, t + 1), cfg)
-            q, k, v = _project(x, net.attn, positions + t, cfg.target)
+            q, k, v = transformer.project_qkv(x, net.attn, positions + t, cfg.target, xla_linear)
             if t == 0:
                 k0, v0 = k, v
             else:
@@ -294,13 +276,9 @@ def ttt_loss(logits, target_logits, mask):
     total, metrics = 0.0, {}
     for t in range(logits.shape[0]):
         p_logits, m = _shift(target_logits, t + 1), _shift(mask.astype(jnp.float32), t + 2)
-        log_p = jax.nn.log_softmax(p_logits, axis=-1)
-        log_q = jax.nn.log_softmax(logits[t], axis=-1)
-        kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-        n = jnp.maximum(jnp.sum(m), 1.0)
-        loss_t = jnp.sum(kl * m) / n
-        hit = jnp.argmax(logits[t], -1) == jnp.argmax(p_logits, -1)
-        metrics[f"kl_{t}"], metrics[f"acc_{t}"] = loss_t, jnp.sum(hit * m) / n
+        loss_t = losses.forward_kl(p_logits, logits[t], m)
+        metrics[f"kl_{t}"] = loss_t
+        metrics[f"acc_{t}"] = losses.top1_agreement(p_logits, logits[t], m)
         total = total + STEP_WEIGHT ** t * loss_t
     return total, metrics
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec import decode
+from jaxdec.api import pad_rows
 from jaxdec.cache import dense
 from jaxdec.checkpoint.tokenizer import _bytes_to_unicode
 from jaxdec.config import ModelConfig
@@ -350,13 +351,6 @@ def _pending(row: _Row) -> tuple[int, tuple[int, ...]]:
     return keep, row.want[keep:]
 
 
-def _padded(seqs: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    out = np.zeros((len(seqs), width), np.int32)
-    for b, s in enumerate(seqs):
-        out[b, : len(s)] = s
-    return out, np.array([len(s) for s in seqs], np.int32)
-
-
 def _catch_up(plan: _Plan, dmodel, rows, dcache):
     """Feed the drafter, through `_feed`, all but the last `_FEED` tokens of a long
     pending stretch (a prompt) -> (rows, cache)."""
@@ -367,7 +361,7 @@ def _catch_up(plan: _Plan, dmodel, rows, dcache):
     keep = np.array([p[0] if is_long else len(r.cached)
                      for r, p, is_long in zip(rows, plans, long)], np.int32)
     seqs = [p[1][:-_FEED] if is_long else () for p, is_long in zip(plans, long)]
-    tokens, n = _padded(seqs, -(-max(map(len, seqs)) // 32) * 32)
+    tokens, n = pad_rows(seqs, 32)
     dcache = _feed(dmodel.params, dcache, keep, tokens, n, cfg=dmodel.cfg)
     rows = [dataclasses.replace(r, cached=r.want[: keep[b] + n[b]], stable=int(keep[b] + n[b]))
             if long[b] else r for b, r in enumerate(rows)]
@@ -382,7 +376,7 @@ def _draft_rows(plan: _Plan, dmodel, rows, dcache, key, sampler):
     rows, dcache = _catch_up(plan, dmodel, rows, dcache)
     live = [r.drafting and not r.done for r in rows]
     plans = [_pending(r) if on else (len(r.cached), ()) for r, on in zip(rows, live)]
-    tokens, n = _padded([p[1] for p in plans], _FEED)
+    tokens, n = pad_rows([p[1] for p in plans], width=_FEED)
     keep = np.array([p[0] for p in plans], np.int32)
     drafts, q, dcache = _draft(dmodel.params, dcache, keep, tokens, n, plan.allowed, key,
                                cfg=dmodel.cfg, sampler=sampler, k=plan.k)
@@ -416,7 +410,7 @@ def _target_chunk(plan: _Plan, rows, drafts: np.ndarray):
         else:
             new = _slem_tokens(plan, r, drafts[b])
         seqs.append([r.target[-1], *new])
-    chunk, n = _padded(seqs, plan.k + 1)
+    chunk, n = pad_rows(seqs, width=plan.k + 1)
     return chunk, n - 1
 
 
@@ -520,7 +514,7 @@ def generate(target_model, drafter_model, prompt_ids_rows: Sequence[Sequence[int
     tm, dm, rng = target_model, drafter_model, jax.random.key(seed)
     seconds = dict.fromkeys(("prefill", "draft", "verify", "host"), 0.0)
     clock = time.perf_counter()
-    tokens, lens = _padded(prompts, -(-max(map(len, prompts)) // 32) * 32)
+    tokens, lens = pad_rows(prompts, 32)
     tcache = dense.init_cache(tm.cfg, len(prompts), cap, tm.dtype)
     first, tcache = _prefill(tm.params, tcache, tokens, lens, jax.random.fold_in(rng, 0),
                              cfg=tm.cfg, sampler=sampler)

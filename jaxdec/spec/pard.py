@@ -211,14 +211,8 @@ class PardTask:
                    train_embeddings=train_embeddings, loss_kind=loss, seed=seed, start=start)
 
     def init(self, rng) -> small.SmallParams:
-        """Copies of the truncated target's layers and final norm (and embedding and LM
-        head with train_embeddings)."""
         del rng
-        copy = lambda tree: jax.tree.map(jnp.array, tree)
-        p, own = self.start, self.train_embeddings
-        return small.SmallParams(layers=copy(p.layers), final_norm=jnp.array(p.final_norm),
-                                 embed=copy(p.embed) if own else None,
-                                 lm_head=jnp.array(p.lm_head) if own else None)
+        return small.trainable_copy(self.start, self.train_embeddings)
 
     def frozen(self, target_model) -> small.Head:
         return small.target_head(target_model)
@@ -277,9 +271,5 @@ def check_options(cfg: ModelConfig, *, k: int, r: float, r_min: float, loss: str
 
 def from_meta(meta: dict, params: small.SmallParams, target_model) -> Pard:
     """The saved drafter for `target_model` (`jaxdec.spec.store`'s rebuild function)."""
-    cfg, _ = small_model.truncated(target_model.cfg, target_model.params, meta["n_layers"])
-    dtype = target_model.dtype
-    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                          else x, params)
-    full = small.model_params(params, small.target_head(target_model))
+    cfg, full = small.restored(meta["n_layers"], params, target_model)
     return Pard(cfg=cfg, k=meta["k"], mask_id=meta["mask_id"], params=full)

@@ -203,7 +203,7 @@ def _generate(model, prompts, meta: dict) -> Dataset:
     with idle rows, so every batch runs the same compiled programs)."""
     from tqdm import tqdm
 
-    b, n_new, taps = meta["batch"], meta["n_new"], tuple(meta["taps"])
+    b, taps = meta["batch"], tuple(meta["taps"])
     width = max(len(p) for p in prompts)
     parts = []
     starts = range(0, len(prompts), b)
@@ -221,14 +221,12 @@ def _generate(model, prompts, meta: dict) -> Dataset:
 def _continue(model, rows, n_real: int, width: int, meta: dict, index: int):
     """Generate for one batch -> (tokens i32[B, width + n_new], positions, mask)."""
     from jaxdec import decode
+    from jaxdec.api import pad_rows
     from jaxdec.cache import dense
     from jaxdec.sampling import make_sampler
 
     b, n_new = len(rows), meta["n_new"]
-    prompts = np.zeros((b, width), np.int32)
-    lens = np.array([len(r) for r in rows], np.int32)
-    for i, r in enumerate(rows):
-        prompts[i, : len(r)] = r
+    prompts, lens = pad_rows(rows, width=width)
     limits = np.where(np.arange(b) < n_real, n_new, 0).astype(np.int32)
     capacity = -(-(width + n_new) // 64) * 64
     cache = dense.init_cache(model.cfg, b, capacity, model.dtype)

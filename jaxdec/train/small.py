@@ -58,6 +58,26 @@ def model_params(params: SmallParams, head: Head) -> transformer.Params:
                               lm_head=params.lm_head if own else head.lm_head)
 
 
+def trainable_copy(start: transformer.Params, with_head: bool) -> SmallParams:
+    """The parts of a truncated target `start` that train, copied (the target is not
+    donated): its layers and final norm, and its embedding and LM head `with_head`."""
+    copy = lambda tree: jax.tree.map(jnp.array, tree)
+    return SmallParams(layers=copy(start.layers), final_norm=jnp.array(start.final_norm),
+                       embed=copy(start.embed) if with_head else None,
+                       lm_head=jnp.array(start.lm_head) if with_head else None)
+
+
+def restored(n_layers: int, params: SmallParams, target_model):
+    """(cfg, full transformer.Params) of a saved truncated drafter of `n_layers` layers
+    over `target_model`: its params in the target's dtype, the head parts it did not train
+    taken from the target."""
+    cfg, _ = small_model.truncated(target_model.cfg, target_model.params, n_layers)
+    dtype = target_model.dtype
+    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                          else x, params)
+    return cfg, model_params(params, target_head(target_model))
+
+
 def target_head(target_model) -> Head:
     return Head(embed=target_model.params.embed, lm_head=target_model.params.lm_head)
 
@@ -89,13 +109,8 @@ class SmallDistill:
                    start=start)
 
     def init(self, rng) -> SmallParams:
-        """The truncated target's parts that train (copies: the target is not donated)."""
         del rng
-        copy = lambda tree: jax.tree.map(jnp.array, tree)
-        p = self.start
-        return SmallParams(layers=copy(p.layers), final_norm=jnp.array(p.final_norm),
-                           embed=copy(p.embed) if self.train_head else None,
-                           lm_head=jnp.array(p.lm_head) if self.train_head else None)
+        return trainable_copy(self.start, self.train_head)
 
     def frozen(self, target_model) -> Head:
         return target_head(target_model)
@@ -126,9 +141,5 @@ class SmallDistill:
 
 def from_meta(meta: dict, params: SmallParams, target_model) -> small_model.SmallModel:
     """The saved drafter for `target_model` (`jaxdec.spec.store`'s rebuild function)."""
-    cfg, _ = small_model.truncated(target_model.cfg, target_model.params, meta["layers"])
-    dtype = target_model.dtype
-    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                          else x, params)
-    full = model_params(params, target_head(target_model))
+    cfg, full = restored(meta["layers"], params, target_model)
     return small_model.SmallModel(cfg=cfg, k=meta["k"], params=full)
