@@ -146,7 +146,7 @@ def _distill_parser(sub) -> None:
     d.add_argument("--cache-dir", default=None, help="distillation data (default data/distill)")
     d.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     o = d.add_argument_group("drafter options (each applies to some kinds)")
-    o.add_argument("--layers", type=int, default=None, help="small: target layers kept")
+    o.add_argument("--layers", type=int, default=None, help="small, pard: target layers kept")
     o.add_argument("--loss", default=None, choices=["fkl", "rkl"], help="small: KL direction")
     o.add_argument("--train-head", action="store_true", default=None,
                    help="small: train the embedding and LM head too")

@@ -160,6 +160,15 @@ def test_dataset_is_the_targets_greedy_continuation_and_features(tiny, tmp_path,
     monkeypatch.setattr(data, "_generate", lambda *a: pytest.fail("regenerated"))
     again = data.make_dataset(model, prompts, n_new=n_new, taps=taps, batch=2, cache_dir=tmp_path)
     np.testing.assert_array_equal(again.final.view(np.uint16), ds.final.view(np.uint16))
+    for fewer in [(0,), ()]:  # cut from the file above, not regenerated
+        cut = data.make_dataset(model, prompts, n_new=n_new, taps=fewer, batch=2,
+                                cache_dir=tmp_path)
+        assert cut.tap_layers == fewer and cut.taps.shape[2] == len(fewer)
+        np.testing.assert_array_equal(cut.taps.view(np.uint16),
+                                      ds.taps[:, :, [taps.index(t) for t in fewer]].view(np.uint16))
+        np.testing.assert_array_equal(cut.tokens, ds.tokens)
+    with pytest.raises(pytest.fail.Exception, match="regenerated"):  # other continuations
+        data.make_dataset(model, prompts, n_new=n_new - 1, taps=(), batch=2, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 1  # no temporary file left behind
 
 

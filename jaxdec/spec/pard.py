@@ -229,9 +229,9 @@ class PardTask:
         q = transformer.logits_from_hidden(
             full, packed_hidden(full, self.cfg, inputs, copies, pos, self.mask_id))
         w = jnp.take_along_axis(weights, pos, axis=1)
-        final = batch["final"][:, :-1].astype(full.final_norm.dtype)
-        p_row = jax.lax.stop_gradient(transformer.logits_from_hidden(frozen, final))
-        p = jnp.take_along_axis(p_row, pos[..., None], axis=1)  # [B, T_total, V]
+        final = jnp.take_along_axis(batch["final"][:, :-1], pos[..., None], axis=1)
+        p = jax.lax.stop_gradient(  # [B, T_total, V]: the target's logits at each entry
+            transformer.logits_from_hidden(frozen, final.astype(full.final_norm.dtype)))
         if self.loss_kind == "fkl":
             loss = losses.forward_kl(p, q, w)
         else:

@@ -14,7 +14,8 @@ scored once more causally to record what a drafter learns from: the target's fin
 hidden states ("final": its logits are `logits_from_hidden(target, final)`) and the
 residual stream entering each tapped layer ("taps"), both bfloat16. `mask` is 1 exactly on
 generated tokens (a stop token included, nothing after it). Datasets are cached as .npz
-files keyed by everything that defines them, so a second run loads instead of generating.
+files keyed by everything that defines them, so a second run loads instead of generating;
+a request for fewer taps is cut from a cached file of the same continuations.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ def make_dataset(model, prompts, *, n_new: int, taps: tuple[int, ...] = (), batc
     path = pathlib.Path(cache_dir or default_cache_dir()) / _file_name(model, meta)
     if path.is_file():
         return load_dataset(path, meta)
+    data = _from_wider(path, meta)
+    if data is not None:
+        return data
     data = _generate(model, prompts, meta)
     save_dataset(path, data)
     return data
@@ -281,6 +285,28 @@ def save_dataset(path: pathlib.Path, data: Dataset) -> pathlib.Path:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def _from_wider(path: pathlib.Path, meta: dict) -> Dataset | None:
+    """The data `meta` defines, cut from a cached file of the same continuations that
+    carries more taps (a PARD run reuses an EAGLE-3 run's data instead of regenerating it:
+    the generation is the cost); None when there is no such file."""
+    want = meta["taps"]
+    for other in sorted(path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.npz")):
+        try:
+            with np.load(other, allow_pickle=False) as f:
+                have = json.loads(str(f["meta"]))
+                if ({**have, "taps": want} != meta
+                        or not set(want) <= set(have["taps"])):
+                    continue
+                tokens, mask, final = f["tokens"], f["mask"], f["final"].view(_BF16)
+                cols = [have["taps"].index(t) for t in want]
+                taps = (f["taps"].view(_BF16)[:, :, cols] if cols else
+                        np.zeros((*tokens.shape, 0, final.shape[-1]), _BF16))
+        except (OSError, ValueError, KeyError):
+            continue  # not ours to judge here: it is only a candidate
+        return Dataset(tokens=tokens, mask=mask, taps=taps, final=final, meta=meta)
+    return None
 
 
 def load_dataset(path: pathlib.Path, expect: dict | None = None) -> Dataset:
