@@ -296,17 +296,22 @@ def _from_wider(path: pathlib.Path, meta: dict) -> Dataset | None:
         try:
             with np.load(other, allow_pickle=False) as f:
                 have = json.loads(str(f["meta"]))
-                if ({**have, "taps": want} != meta
-                        or not set(want) <= set(have["taps"])):
-                    continue
-                tokens, mask, final = f["tokens"], f["mask"], f["final"].view(_BF16)
-                cols = [have["taps"].index(t) for t in want]
-                taps = (f["taps"].view(_BF16)[:, :, cols] if cols else
-                        np.zeros((*tokens.shape, 0, final.shape[-1]), _BF16))
+                if {**have, "taps": want} == meta and set(want) <= set(have["taps"]):
+                    return _read(f, meta, [have["taps"].index(t) for t in want])
         except (OSError, ValueError, KeyError):
             continue  # not ours to judge here: it is only a candidate
-        return Dataset(tokens=tokens, mask=mask, taps=taps, final=final, meta=meta)
     return None
+
+
+def _read(f, meta: dict, cols: list[int] | None = None) -> Dataset:
+    """The Dataset in an open .npz `f`, keeping the taps in `cols` (None: all)."""
+    tokens, final = f["tokens"], f["final"].view(_BF16)
+    if cols == []:  # no taps: do not read them
+        taps = np.zeros((*tokens.shape, 0, final.shape[-1]), _BF16)
+    else:
+        taps = f["taps"].view(_BF16)
+        taps = taps if cols is None else taps[:, :, cols]
+    return Dataset(tokens=tokens, mask=f["mask"], taps=taps, final=final, meta=meta)
 
 
 def load_dataset(path: pathlib.Path, expect: dict | None = None) -> Dataset:
@@ -315,8 +320,7 @@ def load_dataset(path: pathlib.Path, expect: dict | None = None) -> Dataset:
     try:
         with np.load(path, allow_pickle=False) as f:
             meta = json.loads(str(f["meta"]))
-            data = Dataset(tokens=f["tokens"], mask=f["mask"], taps=f["taps"].view(_BF16),
-                           final=f["final"].view(_BF16), meta=meta)
+            data = _read(f, meta)
     except (OSError, ValueError, KeyError) as e:
         raise JaxdecError(f"{path}: unreadable distillation data ({e.__class__.__name__}); "
                           "delete it to regenerate") from None
