@@ -12,7 +12,9 @@ demo: $(VENV)/.demo
 	$(JAXDEC) generate --model smollm2 --chat --max-new-tokens 160 --temperature 0.2 --top-p 0.9 --seed 0 \
 		--prompt "$(DEMO_PROMPT)"
 
-test: $(VENV)/.test models corpora
+# The tests need llama.cpp too (k-quant blocks are checked against its quantiser, and it must
+# load and run the GGUF files jaxdec writes): the `bench` target builds it (~7 min, once).
+test: $(VENV)/.test $(VENV)/.bench models corpora
 	$(BIN)/python -m pytest --durations=15
 
 models: $(VENV)/.demo
@@ -44,7 +46,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.demo
 # build dies with SIGILL in ggml's AMX matmul on these CPUs, so it is built for AVX-512
 # explicitly with AMX off; --no-deps keeps pip from touching numpy, its runtime deps are
 # installed by name. The build is skipped when that version is installed already (a touched
-# pyproject.toml need not cost 7 minutes). Nothing else depends on this target.
+# pyproject.toml need not cost 7 minutes). `make test` depends on it.
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \

@@ -25,7 +25,7 @@ from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import abstract_params
-from jaxdec.quant import convert
+from jaxdec.quant import convert, dfloat11
 from jaxdec.sampling import Greedy, Sampler
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
@@ -51,10 +51,11 @@ class Model:
 
     @property
     def weights(self) -> str:
-        """The weight format: float32, bfloat16, int8, int4, or mixed (a GGUF's blocks)."""
+        """The weight format: float32, bfloat16, dfloat11, int8, int4, or mixed (a GGUF's blocks)."""
         bits = {w.bits for w in jax.tree.leaves(self.params, is_leaf=_is_q) if _is_q(w)}
         if not bits:
-            return str(self.dtype)
+            df11 = any(map(dfloat11.is_df11, jax.tree.leaves(self.params, is_leaf=dfloat11.is_df11)))
+            return "dfloat11" if df11 else str(self.dtype)
         return f"int{bits.pop()}" if len(bits) == 1 else "mixed int4/int8"
 
 
@@ -240,13 +241,16 @@ def _load_orbax(path: pathlib.Path, dtype, mesh) -> Model:
     cfg = ModelConfig.from_dict(meta["config"])
     abstract = convert.abstract_like(transformer.declare(cfg), jnp.dtype(meta["dtype"]),
                                      meta.get("qarrays", {}))
+    if mesh is not None and any(e.get("format") == "dfloat11" for e in meta.get("qarrays", {}).values()):
+        raise JaxdecError(f"{path}: a DFloat11 checkpoint loads on one device only (no mesh)")
     if mesh is not None:  # orbax reads only the slices of this process's devices
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract, _layout(cfg, mesh, abstract))
-    params = orbax_io.restore(path, abstract)
+    params = dfloat11.check_restored_params(orbax_io.restore(path, abstract),
+                                            meta.get("qarrays", {}), str(path))
     if params.final_norm.dtype != dtype:
-        cast = lambda x: x if _is_q(x) else x.astype(dtype)
-        params = jax.tree.map(cast, params, is_leaf=_is_q)
+        kept = lambda x: _is_q(x) or dfloat11.is_df11(x)  # (weights keep their format)
+        params = jax.tree.map(lambda x: x if kept(x) else x.astype(dtype), params, is_leaf=kept)
     return Model(cfg=cfg, params=params, tokenizer=Tokenizer.load(path), source=str(path),
                  tensor_types=meta.get("tensor_types", {}), mesh=mesh)
 

@@ -3,6 +3,7 @@
     jaxdec generate --model smollm2 --prompt "..." [--chat] [--temperature 0.7 --top-p 0.9]
     jaxdec chat     --model smollm2
     jaxdec convert  SRC OUT [--dtype bfloat16]
+    jaxdec compress-lossless SRC OUT   (DFloat11)
     jaxdec info     SRC
     jaxdec eval ppl --model SRC --corpus prose|code
     jaxdec fetch    qwen2.5-coder-0.5b | corpora
@@ -89,6 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("out")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     v.add_argument("--weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"])
+
+    z = sub.add_parser("compress-lossless", help="DFloat11: Huffman-code the bfloat16 weights' "
+                                                 "exponents (bit-exact, ~70%% of bfloat16)")
+    z.add_argument("src", help="a model name, .gguf file, HF dir or jaxdec checkpoint")
+    z.add_argument("out", help="the orbax checkpoint to write (jaxdec generate --model OUT)")
+
+    q = sub.add_parser("quantize", help="post-training quantisation (GPTQ, AWQ, HQQ, ...: "
+                                        "orbax; k-quant recipes: GGUF)")
+    q.add_argument("src", help="a model name, .gguf file, HF dir or jaxdec checkpoint")
+    q.add_argument("out")
+    q.add_argument("--method", required=True,
+                   help="rtn, hqq, gptq, awq, zeroquant, llm_int8, smoothquant (an orbax "
+                        "checkpoint); or a k-quant recipe Q8_0, Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, "
+                        "Q4_K_M, Q3_K_M, DQ3_K_M (a GGUF file, from a GGUF source)")
+    q.add_argument("--bits", type=int, default=4, help="weight bits (2, 3, 4, 8 by method)")
+    q.add_argument("--group", type=int, default=64, help="inputs per scale (must divide them)")
+    q.add_argument("--calib", type=int, default=32, metavar="N",
+                   help="calibration windows (half prose, half code; the corpora's calib split)")
+    q.add_argument("--calib-window", type=int, default=256, help="tokens per calibration window")
+    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant's migration strength")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: inputs by decreasing Hessian diagonal")
 
     i = sub.add_parser("info", help="architecture, parameters, bytes, tensor types")
     i.add_argument("src")
@@ -212,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = _start()
         from jaxdec import sharding
         sharding.initialize_from_env()
-        return getattr(commands, args.command)(args) or 0
+        return getattr(commands, args.command.replace("-", "_"))(args) or 0
     except JaxdecError as e:
         sys.stderr.write(f"jaxdec: error: {e}\n")
         return 1

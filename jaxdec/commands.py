@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import math
+import pathlib
 import sys
 import time
 
@@ -153,6 +156,67 @@ def convert(args) -> int:
     print(f"writing {args.out} ...", file=sys.stderr)
     path = jaxdec.save(model, args.out)
     print(f"wrote {path} ({_human(_nbytes(model.params))} of {model.weights} parameters)")
+    return 0
+
+
+def _layer_bar(desc: str):
+    """A tqdm bar and its `progress(done, total)` callback."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, file=sys.stderr, disable=None)
+
+    def progress(done, total):
+        bar.total = total
+        bar.update(done - bar.n)
+    return bar, progress
+
+
+def quantize(args) -> int:
+    from jaxdec.quant import calibrate, methods
+
+    if args.method.upper() in _kquant_recipes():
+        return _quantize_gguf(args)
+    spec = methods.QuantSpec(method=args.method, bits=args.bits, group_size=args.group,
+                             alpha=args.alpha, act_order=args.act_order).check()
+    model = jaxdec.load(args.src)
+    calib = None
+    if spec.needs_calibration:
+        encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
+        calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
+    bar, progress = _layer_bar(f"{spec.method} W{spec.bits}")
+    with bar:
+        params = methods.quantize_model(model.params, model.cfg, spec, calib=calib,
+                                        progress=progress)
+    quantized = dataclasses.replace(model, params=params, source=f"{model.source} ({spec.method} W{spec.bits})")
+    path = jaxdec.save(quantized, args.out)
+    print(f"wrote {path} ({_human(_nbytes(params))} of parameters)")
+    return 0
+
+
+def _kquant_recipes() -> tuple[str, ...]:
+    from jaxdec.quant import kquants
+
+    return tuple(kquants.RECIPES)
+
+
+def _quantize_gguf(args) -> int:
+    from jaxdec.checkpoint import registry
+    from jaxdec.checkpoint.gguf_reader import read_gguf_header
+    from jaxdec.quant import gguf_writer, kquants
+
+    src = pathlib.Path(args.src) if pathlib.Path(args.src).exists() else registry.resolve(args.src)
+    if src.suffix != ".gguf":
+        raise JaxdecError(f"k-quant recipes write GGUF from a GGUF source; {src} is not a .gguf file")
+    recipe = args.method.upper()
+    bar, progress = _layer_bar(f"{recipe} sensitivity")
+    with bar:
+        types = kquants.recipe_types(src, recipe, progress=progress)
+    bar, progress = _layer_bar(recipe)
+    with bar:
+        path = gguf_writer.write_gguf(src, args.out, types, file_type=recipe, progress=progress)
+    sizes = {t.name: int(math.prod(t.shape)) for t in read_gguf_header(src).tensors.values()}
+    print(f"wrote {path} ({_human(pathlib.Path(path).stat().st_size)}, "
+          f"{kquants.bits_per_weight_of(types, sizes):.2f} bits per weight)")
     return 0
 
 

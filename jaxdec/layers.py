@@ -15,9 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.config import RopeScaling
-from jaxdec.quant import cpu_kernel
+from jaxdec.quant import cpu_kernel, dfloat11
 from jaxdec.quant.matmul import qmatmul
+from jaxdec.quant.actquant import ActQuant, quantize_input, quantize_output
+from jaxdec.quant.actquant import validate as validate_act
 from jaxdec.quant.qarray import QArray
+from jaxdec.quant.tap import Tap, record
 from jaxdec.sharding import split_axes
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding) stay finite instead of NaN
@@ -34,10 +37,19 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
     result comes back in `dtype`, by default the activation's, as a framework's bf16
     Linear does.
     """
+    if isinstance(w, dfloat11.DF11Array):  # lossless DFloat11: decoded just before its use
+        w = dfloat11.decompress(w, after=x)
     in_shape, out_shape = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
     if x.shape[x.ndim - n_in:] != in_shape:
         raise ValueError(f"linear: x {x.shape} does not end in w's input axes {in_shape}")
     k = math.prod(in_shape)
+    if isinstance(w, Tap):  # a calibration pass records this input (`jaxdec.quant.tap`)
+        record(w.name, x.reshape(-1, k))
+        w = w.w
+    if isinstance(w, ActQuant):  # input quantised at run time (W8A8, W4A4, LLM.int8())
+        xq = quantize_input(x.reshape(-1, k), validate_act(w, k))
+        y = linear(xq.reshape(x.shape), w.w, n_in, dtype=dtype or x.dtype)
+        return quantize_output(y, w, x.ndim - n_in)  # y itself unless w.out_bits (KV4)
     if isinstance(w, QArray):
         if w.n_in != n_in:
             raise ValueError(f"linear: QArray contracts {w.n_in} axes, not {n_in}")

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxdec.quant.dfloat11 import DF11Array
 from jaxdec.quant.qarray import QArray
 
 
@@ -125,8 +126,8 @@ def partition_specs(decl: Any, rules: LogicalRules) -> Any:
 
 
 def param_count(tree: Any) -> int:
-    """Logical parameter count (a quantised matrix counts its K * N weights)."""
-    is_q = lambda x: isinstance(x, QArray)
+    """Logical parameter count (a quantised or DFloat11 matrix counts its K * N weights)."""
+    is_q = lambda x: isinstance(x, (QArray, DF11Array))
     return sum(math.prod(x.shape) if is_q(x) else int(x.size)
                for x in jax.tree.leaves(tree, is_leaf=is_q))
 

@@ -23,6 +23,7 @@ from jaxdec.cache import dense, kinds
 from jaxdec.config import ModelConfig
 from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
+from jaxdec.quant import dfloat11
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -117,10 +118,15 @@ def _declare_mlp(cfg: ModelConfig) -> MLP:
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """[B, T] -> [B, T, D]. A tied model reads the columns of the LM head."""
+    dtype = params.final_norm.dtype
+    if isinstance(params.embed, dfloat11.DF11Array):  # decodes only the rows' blocks
+        return dfloat11.take_rows(params.embed, tokens).astype(dtype)
     if params.embed is not None:
         return _take(params.embed, tokens, axis=0)
+    if isinstance(params.lm_head, dfloat11.DF11Array):  # the whole head, then its columns
+        head = dfloat11.decompress(params.lm_head, after=tokens)
+        return jnp.moveaxis(_take(head, tokens, axis=1), 0, -1).astype(dtype)
     if isinstance(params.lm_head, quant.QArray):
-        dtype = params.final_norm.dtype
         return jnp.moveaxis(quant.take_columns(params.lm_head, tokens), 0, -1).astype(dtype)
     return jnp.moveaxis(_take(params.lm_head, tokens, axis=1), 0, -1)
 
@@ -175,6 +181,7 @@ def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, 
 def decoder_layer(x, p: LayerParams, positions, entry, past, cfg: ModelConfig, kind, tree=None):
     """One layer of kind (mixer, feed-forward) -> (x, its updated cache entry)."""
     mixer, ffn = kind
+    p = dfloat11.decompress_tree(p, after=x)  # DFloat11 weights: one decode per layer, here
     if mixer is not None:
         h = layers.rms_norm(x, p.mixer_norm, cfg.norm_eps)
         if mixer == "attention":

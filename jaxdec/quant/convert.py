@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from jaxdec.errors import JaxdecError
 from jaxdec.pytree import ParamSpec, is_spec
+from jaxdec.quant import dfloat11
+from jaxdec.quant.actquant import ActQuant
 from jaxdec.quant.qarray import QArray, dequantize, quantize
 
 # name -> (bits, keep any GGUF block width)
@@ -37,6 +39,8 @@ def quantize_params(params, decl, weights: str, *, group_size: int = 32):
     def one(spec: ParamSpec | None, w):
         if spec is None or spec.n_in is None:
             return w
+        if isinstance(w, dfloat11.DF11Array):
+            w = dfloat11.decompress(w)
         if isinstance(w, QArray):
             if keep_any or w.bits == bits:
                 return jax.tree.map(jnp.asarray, w)
@@ -51,16 +55,37 @@ def quantize_params(params, decl, weights: str, *, group_size: int = 32):
 
 
 def describe(params) -> dict[str, dict]:
-    """The static layout of every `QArray` in `params`, by key path (checkpoint metadata)."""
-    found = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))[0]
-    return {jax.tree_util.keystr(path): {"bits": w.bits, "group_size": w.group_size,
-                                         "shape": list(w.shape), "n_in": w.n_in,
-                                         "offset": w.offset is not None}
-            for path, w in found if isinstance(w, QArray)}
+    """The static layout of every `QArray` (bare or inside an `ActQuant`) in `params`, by
+    key path (checkpoint metadata)."""
+    wrapped = lambda x: isinstance(x, (QArray, ActQuant, dfloat11.DF11Array))
+    found = jax.tree_util.tree_flatten_with_path(params, is_leaf=wrapped)[0]
+    out = {}
+    for path, w in found:
+        if isinstance(w, ActQuant):
+            if not isinstance(w.w, QArray):
+                raise JaxdecError("only ActQuant weights holding a QArray can be saved")
+            out[jax.tree_util.keystr(path)] = {
+                **_qarray_entry(w.w), "act": {"bits": w.act_bits, "rotate": w.rotate,
+                                              "outlier_threshold": w.outlier_threshold,
+                                              "in_scale": w.in_scale is not None,
+                                              "out_bits": w.out_bits, "out_group": w.out_group,
+                                              "out_rotate": w.out_rotate,
+                                              "out_shift": w.out_shift is not None}}
+        elif isinstance(w, QArray):
+            out[jax.tree_util.keystr(path)] = _qarray_entry(w)
+        elif isinstance(w, dfloat11.DF11Array):  # (stream sizes and a checksum)
+            out[jax.tree_util.keystr(path)] = dfloat11.layout(w)
+    return out
+
+
+def _qarray_entry(w: QArray) -> dict:
+    return {"bits": w.bits, "group_size": w.group_size, "shape": list(w.shape), "n_in": w.n_in,
+            "offset": w.offset is not None}
 
 
 def abstract_like(decl, dtype, layout: dict[str, dict]):
-    """`pytree.abstract_params` with the `QArray`s that `describe` recorded (orbax restore)."""
+    """`pytree.abstract_params` with the `QArray`s (and `ActQuant`s) that `describe`
+    recorded (orbax restore)."""
 
     def one(path, spec: ParamSpec | None):
         if spec is None:
@@ -68,13 +93,24 @@ def abstract_like(decl, dtype, layout: dict[str, dict]):
         entry = layout.get(jax.tree_util.keystr(path))
         if entry is None:
             return jax.ShapeDtypeStruct(spec.shape, dtype)
+        if entry.get("format") == "dfloat11":
+            return dfloat11.abstract(entry, spec.shape)
         k, g = math.prod(spec.shape[:entry["n_in"]]), entry["group_size"]
         n = math.prod(spec.shape[entry["n_in"]:])
-        rows = k if entry["bits"] == 8 else k // 2
+        rows = k // 2 if entry["bits"] == 4 else k
         groups = jax.ShapeDtypeStruct((k // g, n), jnp.float16)
-        return QArray(q=jax.ShapeDtypeStruct((rows, n), jnp.int8 if entry["bits"] == 8 else jnp.uint8),
-                      scale=groups, offset=groups if entry["offset"] else None,
-                      bits=entry["bits"], group_size=g, shape=tuple(entry["shape"]),
-                      n_in=entry["n_in"])
+        qa = QArray(q=jax.ShapeDtypeStruct((rows, n), jnp.int8 if entry["bits"] == 8 else jnp.uint8),
+                    scale=groups, offset=groups if entry["offset"] else None,
+                    bits=entry["bits"], group_size=g, shape=tuple(entry["shape"]),
+                    n_in=entry["n_in"])
+        act = entry.get("act")
+        if act is None:
+            return qa
+        in_scale = jax.ShapeDtypeStruct((k,), jnp.float32) if act["in_scale"] else None
+        out_shift = jax.ShapeDtypeStruct((n,), jnp.float32) if act.get("out_shift") else None
+        return ActQuant(w=qa, in_scale=in_scale, act_bits=act["bits"], rotate=act["rotate"],
+                        outlier_threshold=act["outlier_threshold"], out_shift=out_shift,
+                        out_bits=act.get("out_bits"), out_group=act.get("out_group"),
+                        out_rotate=act.get("out_rotate"))
 
     return jax.tree_util.tree_map_with_path(one, decl, is_leaf=lambda x: x is None or is_spec(x))

@@ -11,9 +11,12 @@ from __future__ import annotations
 import jax
 
 from jaxdec.quant import cpu_kernel
-from jaxdec.quant.qarray import QArray
+from jaxdec.quant.qarray import QArray, matmul_reference
 
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
-    """x: [M, K] -> f32[M, N]."""
+    """x: [M, K] -> f32[M, N]. 2- and 3-bit codes (quality studies) take the portable
+    dequantise-then-dot path everywhere."""
+    if w.bits not in (4, 8):
+        return matmul_reference(x, w)
     return cpu_kernel.qmatmul(x, w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size)

@@ -32,7 +32,12 @@ _CODES = {
     (8, False): (-128, 127, jnp.int8),
     (4, True): (-8, 7, jnp.uint8),   # stored as code + 8 in 0..15; offset = -8 * scale
     (4, False): (0, 15, jnp.uint8),
+    (3, True): (-4, 3, jnp.uint8),   # stored as code + 4 in 0..7; offset = -4 * scale
+    (3, False): (0, 7, jnp.uint8),
+    (2, True): (-2, 1, jnp.uint8),   # stored as code + 2 in 0..3; offset = -2 * scale
+    (2, False): (0, 3, jnp.uint8),
 }
+BITS = (2, 3, 4, 8)
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
 
 
@@ -45,11 +50,14 @@ class QArray:
 
     Invariants (checked by `validate`, never in the constructor, so that jax can rebuild
     the pytree with placeholder leaves):
-    - `bits` is 4 or 8; `shape` is a tuple of positive ints; 1 <= n_in < len(shape).
+    - `bits` is 2, 3, 4 or 8; `shape` is a tuple of positive ints; 1 <= n_in < len(shape).
     - `group_size` g is a positive int dividing K; for bits=4 it is even.
     - bits=8: `q` is int8[K, N] (values -128..127; the quantisers write -127..127 when
       symmetric). bits=4: `q` is uint8[K // 2, N], two unsigned 4-bit codes per byte packed
       along K: byte (i, n) holds row 2i in its low nibble and row 2i+1 in its high nibble.
+      bits=2, 3: `q` is uint8[K, N], one code (0..2^bits - 1) per byte, unpacked: these
+      widths serve quality studies (GPTQ/AWQ/HQQ at 2-3 bits) and the portable
+      dequantise-then-dot path; `bits_per_weight` reports the packed format's size.
     - `scale` is float16[K // g, N]; `offset` is None or float16[K // g, N]. The offset is
       the zero point pre-multiplied by the scale (offset = -zero_point * scale, GGUF Q4_1's
       `m`), so dequantisation is one multiply-add in float32 (see the module docstring).
@@ -57,7 +65,7 @@ class QArray:
     Leaves may be numpy or jax arrays (or `jax.ShapeDtypeStruct`s under `eval_shape`).
     """
 
-    q: Any               # bits=8: i8[K, N]; bits=4: u8[K // 2, N]
+    q: Any               # bits=8: i8[K, N]; bits=4: u8[K // 2, N]; bits=2, 3: u8[K, N]
     scale: Any           # f16[G, N]
     offset: Any | None   # f16[G, N] or None
     bits: int
@@ -91,6 +99,13 @@ class QArray:
         return self.offset is not None
 
     @property
+    def bits_per_weight(self) -> float:
+        """Bits per logical weight of the packed format: codes plus f16 scales (and
+        offsets), whatever the in-memory layout (2/3-bit codes are held one per byte)."""
+        per_group = 16 * (2 if self.offset is not None else 1)
+        return self.bits + per_group / self.group_size
+
+    @property
     def nbytes(self) -> int:
         """Bytes actually stored: codes, scales and offsets."""
         leaves = [self.q, self.scale] + ([] if self.offset is None else [self.offset])
@@ -119,8 +134,8 @@ _check_array = check_array  # (the name the checks below use)
 
 
 def _check_meta(qa: QArray):
-    if qa.bits not in (4, 8):
-        _fail(f"bits={qa.bits!r}, expected 4 or 8")
+    if qa.bits not in BITS:
+        _fail(f"bits={qa.bits!r}, expected one of {BITS}")
     shape = qa.shape
     if not isinstance(shape, tuple) or not all(isinstance(d, int) and d > 0 for d in shape):
         _fail(f"shape {shape!r} is not a tuple of positive ints")
@@ -143,7 +158,7 @@ def validate(qa: QArray) -> QArray:
     if qa.bits == 8:
         _check_array("q", qa.q, np.int8, (k, n))
     else:
-        _check_array("q", qa.q, np.uint8, (k // 2, n))
+        _check_array("q", qa.q, np.uint8, (k // 2 if qa.bits == 4 else k, n))
     _check_array("scale", qa.scale, np.float16, (groups, n))
     if qa.offset is not None:
         _check_array("offset", qa.offset, np.float16, (groups, n))
@@ -169,7 +184,8 @@ def unpack_int4(q):
 
 # ---- dequantisation -------------------------------------------------------------------------
 def dequantize_rows(q, scale, offset, bits: int, group_size: int):
-    """q: i8[K, ...] or u8[K // 2, ...]; scale/offset: f16[G, ...] -> f32[K, ...]."""
+    """q: i8[K, ...], u8[K // 2, ...] (4-bit) or u8[K, ...] (2, 3-bit); scale/offset:
+    f16[G, ...] -> f32[K, ...]."""
     codes = unpack_int4(q) if bits == 4 else q
     k, rest = codes.shape[0], codes.shape[1:]
     codes = jnp.asarray(codes).astype(jnp.float32).reshape(k // group_size, group_size, *rest)
@@ -223,8 +239,8 @@ def _symmetric_scale(groups, lo: int, hi: int):
     up to float16 so that holds for the stored scale."""
     top = jnp.maximum(groups.max(axis=1) / hi, groups.min(axis=1) / lo)
     top = jnp.maximum(top, 0.0)
-    if lo == -8:  # 4-bit: keep offset = -8 * scale finite in float16
-        top = jnp.minimum(top, F16_MAX / 8)
+    if hi < 127:  # 2-4 bits: keep offset = lo * scale finite in float16
+        top = jnp.minimum(top, F16_MAX / -lo)
     return _f16_toward(top, up=True)
 
 
@@ -251,6 +267,7 @@ def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = Non
     - bits=8, asymmetric: q in -128..127 with an offset.
     - bits=4, asymmetric (default, GGUF Q4_1-like): q in 0..15, offset ~ group min.
     - bits=4, symmetric (GGUF Q4_0-like): q = round(w / scale) + 8, offset = -8 * scale.
+    - bits=2, 3: as bits=4 (asymmetric by default), one unpacked u8 code per weight.
     Scales are computed in float32 and rounded UP to float16 (offsets down, for the
     asymmetric case) before q is computed, so |dequantize(qa) - w| <= stored scale / 2 up
     to float32 rounding. A zero scale (constant group) gives q = 0, never NaN. Groups whose
@@ -269,18 +286,35 @@ def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = Non
         scale, offset = _asymmetric_params(groups, lo, hi)
         codes = _round_codes(groups, scale, offset, lo, hi)
     codes = codes.reshape(k, n)
+    if bits < 8:
+        codes = codes - lo  # 0..2^bits - 1 (lo is 0 when asymmetric)
     if bits == 4:
-        codes = pack_int4(codes - lo)  # 0..15 (lo is 0 when asymmetric)
+        codes = pack_int4(codes)
     qa = QArray(q=codes.astype(code_dtype), scale=scale, offset=offset, bits=bits,
                 group_size=group_size, shape=shape, n_in=n_in)
     return validate(qa)
 
 
+def from_codes(codes, scale, offset, *, bits: int, group_size: int, shape: tuple[int, ...],
+               n_in: int = 1) -> QArray:
+    """A `QArray` from unpacked codes u8[K, N] in 0..2^bits - 1 (bits 2-4; i8 for 8) and
+    per-group scale/offset [G, N] (float16-representable; cast here): the constructor
+    that calibrated quantisers (GPTQ, AWQ, HQQ) build their results with."""
+    k, n = _check_quantize_args(tuple(shape), bits, group_size, n_in)
+    codes = np.asarray(codes).reshape(k, n)
+    if bits == 4:
+        codes = pack_int4(codes.astype(np.uint8))
+    code_dtype = np.int8 if bits == 8 else np.uint8
+    as16 = lambda a: None if a is None else np.asarray(a, np.float32).astype(np.float16)
+    return validate(QArray(q=codes.astype(code_dtype), scale=as16(scale), offset=as16(offset),
+                           bits=bits, group_size=group_size, shape=tuple(shape), n_in=n_in))
+
+
 def _check_quantize_args(shape: tuple[int, ...], bits: int, group_size: int,
                          n_in: int) -> tuple[int, int]:
     """(K, N) for a weight of logical `shape`, or a JaxdecError naming the bad argument."""
-    if bits not in (4, 8):
-        raise JaxdecError(f"quantize: bits={bits!r}, expected 4 or 8")
+    if bits not in BITS:
+        raise JaxdecError(f"quantize: bits={bits!r}, expected one of {BITS}")
     if not 1 <= n_in < len(shape):
         raise JaxdecError(f"quantize: n_in={n_in} must be in [1, {len(shape) - 1}] for {shape}")
     k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
