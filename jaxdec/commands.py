@@ -220,6 +220,31 @@ def _quantize_gguf(args) -> int:
     return 0
 
 
+def compress_lossless(args) -> int:
+    from tqdm import tqdm
+
+    from jaxdec.models import transformer
+    from jaxdec.quant import dfloat11
+
+    model = jaxdec.load(args.src, dtype="bfloat16")
+    if model.weights == "dfloat11":
+        raise JaxdecError(f"{args.src} is DFloat11-compressed already")
+    with tqdm(desc="DFloat11", unit="tensor", file=sys.stderr, disable=None) as bar:
+        def progress(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+
+        params = dfloat11.compress_params(model.params, transformer.declare(model.cfg),
+                                          progress=progress)
+    s = dfloat11.stats(dfloat11.pairs(model.params, params))
+    print(f"writing {args.out} ...", file=sys.stderr)
+    path = jaxdec.save(dataclasses.replace(model, params=params), args.out)
+    print(f"wrote {path}: {s.n:,} weights in {_human(s.df11_bytes)} instead of "
+          f"{_human(s.bf16_bytes)} of bfloat16 ({s.fraction:.1%}, {s.bits_per_weight:.2f} bits a "
+          f"weight; exponent entropy {s.entropy_bits:.2f} bits); {_human(_nbytes(params))} in all")
+    return 0
+
+
 def info(args) -> int:
     model = jaxdec.load(args.src)
     cfg = model.cfg

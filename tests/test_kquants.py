@@ -229,6 +229,7 @@ def test_writer_refuses_before_writing_anything(tmp_path):
                          ({"blk.0.attn_q.weight": "IQ1_S"}, "cannot quantise to IQ1_S"),
                          ({"no.such.weight": "Q8_0"}, "does not have")]:
         assert_one_line_error(gguf_writer.write_gguf, src, out, types, match=match)
+    assert_one_line_error(gguf_writer.write_gguf, src, tmp_path / "no" / "x.gguf", {}, match="no such directory")
     assert out.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["out.gguf"]
 
 

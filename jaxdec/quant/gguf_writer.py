@@ -59,6 +59,11 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, types: Mapping[st
     common quantised type. progress(done, total) is called after each tensor is written."""
     header = read_gguf_header(src)
     out = pathlib.Path(out)
+    if not out.parent.is_dir():
+        raise JaxdecError(f"{out.parent}: no such directory")
+    arch = header.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise JaxdecError(f"{header.path}: GGUF metadata has no general.architecture")
     plan = _plan(header, types)
     ftype = _file_type(file_type, plan)
     with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -66,7 +71,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, types: Mapping[st
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     tmp = pathlib.Path(tmp_name)
-    writer = gguf.GGUFWriter(tmp, str(header.metadata["general.architecture"]))
+    writer = gguf.GGUFWriter(tmp, arch)
     try:
         _write(writer, header.path, metadata, plan, ftype, progress)
         os.replace(tmp, out)
