@@ -42,26 +42,38 @@ $(VENV)/.test: pyproject.toml $(VENV)/.demo
 	touch $@
 
 # The peers for `jaxdec bench`: HF transformers (from the test extra) and llama.cpp through
-# llama-cpp-python, which compiles from source on install (~7 min on 2 cores). The native
-# build dies with SIGILL in ggml's AMX matmul on these CPUs, so it is built for AVX-512
-# explicitly with AMX off; --no-deps keeps pip from touching numpy, its runtime deps are
-# installed by name. The build is skipped when that version is installed already (a touched
-# pyproject.toml need not cost 7 minutes). `make test` depends on it.
+# llama-cpp-python, which compiles from source on install (~7 min on 2 cores). Its native
+# build is not safe on these VMs: it died with SIGILL in ggml's AMX matmul on Intel hosts,
+# and on AMD hosts (AVX512-VNNI without AVX-VNNI) in the VEX-encoded vpdpbusd that GCC 12
+# emits for either VNNI option. So every instruction-set option is set from this CPU's
+# /proc/cpuinfo flags, AMX is always off, and VNNI is on only where both forms exist.
+# --no-deps keeps pip from touching numpy, its runtime deps are installed by name. One build
+# per version and flag set (its stamp names both: a touched pyproject.toml need not cost 7
+# minutes). `make test` depends on it.
 LLAMA_CPP_VERSION ?= 0.3.36
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
-	-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+VNNI := $(if $(and $(filter avx_vnni,$(CPU_FLAGS)),$(filter avx512_vnni,$(CPU_FLAGS))),ON,OFF)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(call has,avx2) \
+	-DGGML_FMA=$(call has,fma) -DGGML_F16C=$(call has,f16c) -DGGML_BMI2=$(call has,bmi2) \
+	-DGGML_AVX512=$(call has,avx512f) -DGGML_AVX512_VBMI=$(call has,avx512vbmi) \
+	-DGGML_AVX512_BF16=$(call has,avx512_bf16) -DGGML_AVX_VNNI=$(VNNI) -DGGML_AVX512_VNNI=$(VNNI) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
 
 bench: $(VENV)/.bench
 
-$(VENV)/.bench: pyproject.toml $(VENV)/.test
+$(VENV)/.bench: pyproject.toml $(VENV)/.test $(LLAMA_STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	$(BIN)/python -c "from llama_cpp import Llama"
+	touch $@
+
+# one build per version and instruction-set choice (a VM moved to another CPU rebuilds)
+$(LLAMA_STAMP): | $(VENV)/.test
 	$(BIN)/python -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" \
 		"diskcache>=5.6.1" "jinja2>=2.11.3"
-	$(BIN)/python -m pip show llama-cpp-python 2>/dev/null | grep -qx "Version: $(LLAMA_CPP_VERSION)" || \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
 		--force-reinstall --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)"
-	$(BIN)/python -c "from llama_cpp import Llama"
 	touch $@
 
 clean:
