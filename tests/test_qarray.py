@@ -155,7 +155,7 @@ def test_huge_values_do_not_overflow_float16(bits, symmetric):
 
 def test_quantize_rejects_bad_arguments():
     w = weights((64, 8), seed=0)
-    for kwargs in (dict(bits=3), dict(bits=8, group_size=48), dict(bits=4, group_size=1),
+    for kwargs in (dict(bits=5), dict(bits=8, group_size=48), dict(bits=4, group_size=1),
                    dict(bits=8, n_in=2), dict(bits=8, n_in=0)):
         with pytest.raises(JaxdecError):
             quantize(w, **kwargs)
