@@ -19,8 +19,9 @@ os.environ.setdefault("JAXDEC_CPU_AMX", "0")
 from jaxdec.bench import quant_table
 from jaxdec.errors import JaxdecError
 
-DEFAULT_ROWS = ("f32,rtn:8,rtn:4,rtn:3,rtn:2,gptq:4,gptq:3,gptq:2,awq:4,awq:3,hqq:4,hqq:3,hqq:2,"
-                "zeroquant:8,zeroquant:4,llm_int8:8,smoothquant:8")
+DEFAULT_ROWS = ("f32,bf16,df11,rtn:8,rtn:4,rtn:3,rtn:2,gptq:4,gptq:3,gptq:2,awq:4,awq:3,hqq:4,"
+                "hqq:3,hqq:2,zeroquant:8,zeroquant:4,llm_int8:8,smoothquant:8,w4a4:4,hadamard:4,"
+                "kurtail:4,Q8_0,Q4_K_M,Q3_K_M,DQ3_K_M")
 
 
 def main(argv=None) -> int:
@@ -31,20 +32,25 @@ def main(argv=None) -> int:
     for field in ("windows", "window", "calib_windows", "calib_window", "n_prompts",
                   "new_tokens", "group_size"):
         p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(s, field))
-    p.add_argument("--cache", default="runs/quant_table.json")
+    p.add_argument("--cache", default="runs/quant_table/{model}.json",
+                   help="cache file per model ({model} is filled in)")
+    p.add_argument("--cached", action="store_true",
+                   help="only print the table of every row cached for --models")
     p.add_argument("--out", default=None, help="write the markdown table here")
     args = p.parse_args(argv)
     settings = quant_table.Settings(**{f: getattr(args, f) for f in (
         "windows", "window", "calib_windows", "calib_window", "n_prompts", "new_tokens",
         "group_size")})
-    cache = pathlib.Path(args.cache)
-    cache.parent.mkdir(parents=True, exist_ok=True)
+    models = args.models.split(",")
     try:
-        done = quant_table.run(args.models.split(","), args.rows.split(","), settings, cache)
+        if args.cached:
+            done = quant_table.load_cached(models, args.cache)
+        else:
+            done = quant_table.run(models, args.rows.split(","), settings, args.cache)
     except JaxdecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    text = quant_table.table(done, settings)
+    text = quant_table.table(done)
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")

@@ -365,6 +365,9 @@ def test_sensitivity_is_relative_error_and_weighted():
     imp[:256] = 1.0  # only the first super-block of each row counts
     got = kquants.tensor_sensitivity(w, ["Q4_K"], imp)["Q4_K"]
     assert got == pytest.approx(np.sum((back - w)[:, :256] ** 2) / np.sum(w[:, :256] ** 2), rel=1e-6)
+    imp = np.random.default_rng().uniform(0, 2, 512)  # absolute: the weighted error, scaled
+    got = kquants.tensor_sensitivity(w, ["Q4_K"], imp, scale=3.0)["Q4_K"]
+    assert got == pytest.approx(3.0 * np.sum((back - w) ** 2 @ imp), rel=1e-6)
 
 
 def test_dq3_on_smollm2_spends_at_most_q3_k_m_bits():
@@ -380,8 +383,9 @@ def test_dq3_on_smollm2_spends_at_most_q3_k_m_bits():
     assert dq3["token_embd.weight"] == q3["token_embd.weight"] and dq3 != q3
     assert {n for n, q in dq3.items() if q == "F32"} == {n for n, q in q3.items() if q == "F32"}
     name = "blk.3.attn_v.weight"
-    deaf = kquants.recipe_types(src, "DQ3_K_M", max_values=4096,
-                                importance={name: np.zeros(header.tensors[name].shape[-1])})
+    importance = {n: np.ones(t.shape[-1]) for n, t in header.tensors.items()}
+    importance[name] = np.zeros(header.tensors[name].shape[-1])
+    deaf = kquants.recipe_types(src, "DQ3_K_M", max_values=4096, importance=importance)
     assert deaf[name] == kquants.fallback_type("Q3_K", header.tensors[name].shape[-1])
 
 # ---- whole files: llama.cpp's quantiser, llama.cpp running ours ---------------------------------

@@ -106,6 +106,30 @@ def test_collector_sees_what_hf_feeds_each_projection():
         np.testing.assert_allclose(st.abs_mean, np.abs(x).mean(0), rtol=2e-3, atol=1e-5)
 
 
+def test_fisher_columns_are_hf_autograd_squared_gradients():
+    """The empirical Fisher per input column (DQ3_K_M's importance) against PyTorch autograd
+    through HF transformers: per row, the squared gradient of the mean next-token loss,
+    summed over the weight's outputs, summed over rows (float64 sums of float32 grads)."""
+    import torch
+
+    model, hf = jax_model("smollm2"), hf_model("smollm2")
+    tokens = calibrate.calibration_tokens(_encode(model), n_windows=2, window=40)
+    got = calibrate.fisher_columns(model.params, model.cfg, tokens)
+    blk = hf.model.layers[5]
+    mods = {".mixer.wk": blk.self_attn.k_proj, ".mixer.wo": blk.self_attn.o_proj,
+            ".ffn.w_down": blk.mlp.down_proj}
+    want = {k: 0.0 for k in mods}
+    for row in tokens:
+        hf.zero_grad()
+        ids = torch.tensor(row[None], dtype=torch.long)
+        torch.nn.functional.cross_entropy(hf(ids).logits[0, :-1].float(), ids[0, 1:]).backward()
+        for k, mod in mods.items():  # torch weights are [out, in]
+            want[k] = want[k] + mod.weight.grad.double().square().sum(0).numpy()
+    for k, w in want.items():
+        np.testing.assert_allclose(got[5][k], w, rtol=2e-2, atol=1e-3 * np.abs(w).max())
+        assert np.corrcoef(got[5][k], w)[0, 1] > 0.999
+
+
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b"])
 def test_channel_scale_folds_are_exact(name):
     """Folding 1/s into the norm, wv (GQA: one scale per kv channel) and w_up, with diag(s)

@@ -9,10 +9,18 @@ Per row:
   the compressed model, and we count the positions where its argmax is the baseline's token
   (teacher-forced top-1 agreement), and the mean number of leading tokens it reproduces
   before the first disagreement (what free-running greedy decoding would share);
-- bits per weight of the transformer blocks' matmul weights, scales included (the embedding
-  and LM head are listed separately: the PTQ methods keep them in float, k-quant recipes
-  quantise them).
-Rows are cached in a JSON file as they finish, so an interrupted run resumes.
+- bits per weight of the transformer blocks' matmul weights, scales included (the PTQ
+  methods keep the embedding and LM head in float; k-quant recipes quantise them too, and
+  their rows give the whole file's bits per weight as well).
+Rows:
+- "f32", "bf16": the baseline, and the model in bfloat16 (weights and activations);
+- "df11": DFloat11 of the bf16 weights (lossless: the bf16 row's numbers, bit for bit);
+- "METHOD:BITS" for the PTQ methods (`methods.METHODS`) and the W4A4KV4 rotation rows
+  (`kurtail.TABLE_ROWS`);
+- a k-quant recipe ("Q4_K_M", "Q3_K_M", "DQ3_K_M", "Q8_0", ...): the model's GGUF written by
+  `gguf_writer.write_gguf` with `kquants.recipe_types` and read back (dequantised) by
+  `jaxdec.load`; DQ3_K_M's importance is the Fisher information on the calibration set.
+Rows are cached per model in a JSON file as they finish, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -30,13 +39,22 @@ import numpy as np
 import jaxdec
 from jaxdec import corpora, perplexity, prompts
 from jaxdec.errors import JaxdecError
-from jaxdec.quant import calibrate, kurtail, methods
+from jaxdec.checkpoint import registry
+from jaxdec.checkpoint.gguf_reader import read_gguf_header
+from jaxdec.models import transformer
+from jaxdec.quant import calibrate, dfloat11, gguf_writer, kquants, kurtail, methods
 from jaxdec.quant.actquant import ActQuant
 from jaxdec.quant.qarray import QArray
 
 # the paper's claim beside each method (shared/algorithms.md; [U]: our reading, unconfirmed)
 CLAIMS = {
     "f32": "baseline (the dequantised GGUF)",
+    "bf16": "bfloat16 weights and activations",
+    "df11": "lossless: ~70% of bf16, outputs bit-identical to bf16",
+    "Q8_0": "llama.cpp: +0.0004 ppl on LLaMA-7B (wikitext)",
+    "Q4_K_M": "llama.cpp: +0.0535 ppl on LLaMA-7B; the usual default",
+    "Q3_K_M": "llama.cpp: +0.2437 ppl on LLaMA-7B",
+    "DQ3_K_M": "dynamic 3-bit (per-tensor bits by sensitivity) beats uniform Q3_K_M [U]",
     "rtn": "the baseline every method is measured against",
     "zeroquant": "W8A8 close to fp16 on GPT-3-style models; W4/8 needs LKD distillation",
     "llm_int8": "no degradation up to 175B (outliers >= 6 kept in fp16)",
@@ -63,12 +81,16 @@ class Settings:
 
 
 def parse_row(text: str) -> dict:
-    """"gptq:3" -> {"method": "gptq", "bits": 3}; "f32" -> the baseline."""
-    if text == "f32":
-        return {"method": "f32", "bits": 32}
+    """"gptq:3" -> {"method": "gptq", "bits": 3}; "f32" -> the baseline; "Q4_K_M" -> a k-quant
+    recipe; "bf16", "df11"."""
+    if text in ("f32", "bf16", "df11"):
+        return {"method": text, "bits": {"f32": 32, "bf16": 16, "df11": 16}[text]}
+    if text.upper() in kquants.RECIPES:
+        return {"method": text.upper(), "bits": 0}
     method, _, bits = text.partition(":")
     if method not in (*methods.METHODS, *kurtail.TABLE_ROWS) or not bits.isdigit():
-        raise JaxdecError(f"bad table row {text!r}: expected f32 or METHOD:BITS with METHOD one of "
+        raise JaxdecError(f"bad table row {text!r}: expected f32, bf16, df11, a k-quant recipe "
+                          f"({', '.join(kquants.RECIPES)}) or METHOD:BITS with METHOD one of "
                           f"{', '.join((*methods.METHODS, *kurtail.TABLE_ROWS))}")
     return {"method": method, "bits": int(bits)}
 
@@ -127,8 +149,19 @@ class Evaluator:
 
     def row(self, spec: dict) -> dict:
         t0 = time.perf_counter()
+        extra = {}
         if spec["method"] == "f32":
             model, bpw = self.model, 32.0
+        elif spec["method"] in ("bf16", "df11"):
+            model = jaxdec.load(self.name, dtype="bfloat16")
+            bpw = 16.0
+            if spec["method"] == "df11":
+                params = dfloat11.compress_params(model.params, transformer.declare(model.cfg))
+                st = dfloat11.stats(dfloat11.pairs(model.params, params))
+                model, bpw = dataclasses.replace(model, params=params), 16 * st.fraction
+                extra = {"entropy_bits": st.entropy_bits}
+        elif spec["method"] in kquants.RECIPES:
+            model, bpw, extra = self._kquant(spec["method"])
         elif spec["method"] in kurtail.TABLE_ROWS:  # W4A4KV4 with or without rotations
             params = kurtail.table_row(self.model.params, self.model.cfg, spec["method"],
                                        spec["bits"], self.calib)
@@ -141,19 +174,45 @@ class Evaluator:
             model, bpw = dataclasses.replace(self.model, params=params), block_bits(params)[0]
         t1 = time.perf_counter()
         out = self.evaluate(model)
-        return {**spec, **out, "bpw": bpw, "quantize_s": t1 - t0,
-                "eval_s": time.perf_counter() - t1}
+        return {**spec, **out, **extra, "bpw": bpw, "quantize_s": t1 - t0,
+                "eval_s": time.perf_counter() - t1, "settings": dataclasses.asdict(self.s)}
+
+    def _kquant(self, recipe: str):
+        """The model's GGUF under `recipe`, written and read back: (model, bits per weight of
+        the blocks' matmul weights, {"file_bpw": the whole file's})."""
+        src = registry.resolve(self.name)
+        importance = None
+        if recipe == "DQ3_K_M":
+            importance = kquants.fisher_importance(self.model.params, self.model.cfg, self.calib)
+        types = kquants.recipe_types(src, recipe, importance=importance)
+        tensors = read_gguf_header(src).tensors
+        sizes = {n: int(math.prod(t.shape)) for n, t in tensors.items()}
+        blocks = {n: q for n, q in types.items() if n.startswith("blk.") and len(tensors[n].shape) == 2}
+        with tempfile.TemporaryDirectory() as d:
+            path = gguf_writer.write_gguf(src, pathlib.Path(d) / f"{recipe}.gguf", types,
+                                          file_type=recipe)
+            model = jaxdec.load(path)
+        return (model, kquants.bits_per_weight_of(blocks, sizes),
+                {"file_bpw": kquants.bits_per_weight_of(types, sizes)})
 
 
-def run(models: list[str], rows: list[str], settings: Settings, cache: pathlib.Path,
-        log: Callable[[str], None] = print) -> dict:
-    """Every (model, row), reusing the rows cached in `cache` under the same settings."""
+def cache_path(pattern: str, model: str) -> pathlib.Path:
+    """The cache file of one model: `pattern` with {model} filled in."""
+    return pathlib.Path(pattern.format(model=model))
+
+
+def run(models: list[str], rows: list[str], settings: Settings, cache: str,
+        log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Every (model, row): {model: {row text: result}}, reusing the rows cached in each
+    model's file (`cache_path(cache, model)`) under the same settings."""
     specs = [parse_row(r) for r in rows]
-    done = json.loads(cache.read_text()) if cache.exists() else {}
     key = json.dumps(dataclasses.asdict(settings), sort_keys=True)
-    if done.get("settings") != key:
-        done = {"settings": key, "rows": {}}
+    out = {}
     for name in models:
+        path = cache_path(cache, name)
+        done = json.loads(path.read_text()) if path.exists() else {}
+        if done.get("settings") != key:
+            done = {"settings": key, "rows": {}}
         ev = None
         for text, spec in zip(rows, specs):
             k = f"{name} {text}"
@@ -161,22 +220,56 @@ def run(models: list[str], rows: list[str], settings: Settings, cache: pathlib.P
                 continue
             ev = ev or Evaluator(name, settings)
             done["rows"][k] = {"model": name, **ev.row(spec)}
-            tmp = cache.with_suffix(".tmp")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(done, indent=1))
-            tmp.replace(cache)
+            tmp.replace(path)
             log(format_row(done["rows"][k]))
-    return done
+        out[name] = {text: done["rows"][f"{name} {text}"] for text in rows}
+    return out
+
+
+def load_cached(models: list[str], cache: str) -> dict[str, dict]:
+    """Every row cached for `models`: {model: {row text: result}}, with its settings."""
+    out = {}
+    for name in models:
+        path = cache_path(cache, name)
+        if path.exists():
+            done = json.loads(path.read_text())
+            settings = json.loads(done["settings"])
+            out[name] = {k.split(" ", 1)[1]: {"settings": settings, **r} for k, r in done["rows"].items()}
+    return out
+
+
+def _label(r: dict) -> str:
+    m = r["method"]
+    if m in ("f32", "bf16", "df11") or m in kquants.RECIPES:
+        return {"f32": "f32 (baseline)", "df11": "DFloat11"}.get(m, m)
+    rotation = {"w4a4": "no rotation", "hadamard": "block-Hadamard", "kurtail": "KurTail"}
+    if m in rotation:
+        return f"W{r['bits']}A{r['bits']}KV{r['bits']} {rotation[m]}"
+    return f"{m} W{r['bits']}" + ("A8" if m in ("zeroquant", "smoothquant") else "")
 
 
 def format_row(r: dict) -> str:
     ppl = r["ppl"]
-    label = "f32 (baseline)" if r["method"] == "f32" else f"{r['method']} W{r['bits']}"
-    return (f"| {r['model']} | {label} | {r['bpw']:.2f} | {ppl['prose']:.3f} | {ppl['code']:.3f} "
+    bpw = f"{r['bpw']:.2f}" + (f" ({r['file_bpw']:.2f} file)" if "file_bpw" in r else "")
+    return (f"| {r['model']} | {_label(r)} | {bpw} | {ppl['prose']:.3f} | {ppl['code']:.3f} "
             f"| {100 * r['agree']:.1f}% | {r['prefix']:.0f} | {CLAIMS.get(r['method'], '')} |")
 
 
-def table(done: dict, settings: Settings) -> str:
+def table(results: dict[str, dict]) -> str:
+    """The markdown table of `run`'s or `load_cached`'s results, one settings line per model."""
     head = ("| model | method | bits/weight (blocks) | ppl prose | ppl code | greedy agreement "
-            f"({settings.new_tokens} tok, teacher-forced) | shared greedy prefix | paper's claim |\n"
+            "(teacher-forced) | shared greedy prefix | paper's claim |\n"
             "|---|---|---|---|---|---|---|---|")
-    return "\n".join([head] + [format_row(r) for r in done["rows"].values()])
+    lines, notes = [head], []
+    for name, rows in results.items():
+        lines += [format_row(r) for r in rows.values()]
+        s = next(iter(rows.values()), {}).get("settings")
+        if s:
+            notes.append(f"{name}: {s['windows']} eval windows x {s['window']} tokens per corpus; "
+                         f"agreement over {s['n_prompts']} prompts x {s['new_tokens']} greedy "
+                         f"tokens; group size {s['group_size']}; calibration {s['calib_windows']}"
+                         f" x {s['calib_window']} tokens")
+    return "\n".join(lines + [""] + notes)

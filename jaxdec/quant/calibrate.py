@@ -147,3 +147,52 @@ def run_layers(params, cfg, tokens: np.ndarray, quantize_layer, *, batch: int = 
         if progress is not None:
             progress(i + 1, len(params.layers))
     return dataclasses.replace(params, layers=tuple(new))
+
+
+@partial(jax.jit, static_argnames=("cfg", "decl"))
+def _fisher_step(params, tokens, cfg, decl):
+    """For one row of tokens: per layer {key path: f32[K]}, the squared gradient of the mean
+    next-token loss summed over each matmul weight's output axes."""
+    def loss(p):
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits = transformer.forward(p, tokens, pos, None, cfg)[0][:, :-1].astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+    grads = jax.grad(loss)(params)
+    out = []
+    for g_layer, d_layer in zip(grads.layers, decl.layers):
+        found = jax.tree_util.tree_flatten_with_path(d_layer, is_leaf=is_spec)[0]
+        cols = {}
+        for path, spec in found:
+            if isinstance(spec, ParamSpec) and spec.n_in is not None:
+                g = _at(g_layer, path).astype(jnp.float32)
+                k = int(np.prod(g.shape[:spec.n_in]))
+                cols[jax.tree_util.keystr(path)] = jnp.square(g).reshape(k, -1).sum(1)
+        out.append(cols)
+    return out
+
+
+def _at(tree, path):
+    for key in path:
+        tree = getattr(tree, key.name)
+    return tree
+
+
+def fisher_columns(params, cfg, tokens: np.ndarray, *, progress=None) -> list[dict[str, np.ndarray]]:
+    """The empirical Fisher information of the calibration loss, per input feature: for each
+    layer, {matmul key path (`matmul_names`): f64[K]}, the sum over calibration rows of the
+    squared gradient of that row's mean next-token loss, summed over the weight's output
+    axes. Sum(F_k * dW_kn^2) over a weight approximates twice the loss increase that the
+    perturbation dW causes (second-order Taylor with the Fisher for the Hessian), so it
+    compares tensors by their effect on the model, not on their own output (DQ3's bits)."""
+    decl = transformer.declare(cfg)
+    tokens = np.asarray(tokens, np.int32)
+    total = None
+    for i, row in enumerate(tokens):
+        part = jax.device_get(_fisher_step(params, row[None], cfg, decl))
+        part = [{k: np.asarray(v, np.float64) for k, v in layer.items()} for layer in part]
+        total = part if total is None else [{k: t[k] + p[k] for k in t} for t, p in zip(total, part)]
+        if progress is not None:
+            progress(i + 1, len(tokens))
+    return total

@@ -474,9 +474,24 @@ def dense_matmul(x, w, *, impl: str | None = None) -> jax.Array:
     code = _impl_code(impl)
     if jnp.dtype(w.dtype) not in _DENSE_DTYPES:
         return dense_matmul_xla(x, w)
+    return _dense_differentiable(x, w, code)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _dense_differentiable(x, w, code):
+    """The kernel dispatch, differentiable: the FFI call has no derivative of its own, and
+    the product's is the product rule, dx @ w + x @ dw, by XLA (which reverse mode
+    transposes), so gradients flow through any model that runs on the kernel."""
     kernel = functools.partial(_dense_ffi, impl=code)
     max_m = _dense_limit(x.dtype, w.dtype)
     return _dispatch(x, (w,), w.shape[1], max_m, kernel, dense_matmul_xla)
+
+
+@_dense_differentiable.defjvp
+def _dense_jvp(code, primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    return (_dense_differentiable(x, w, code),
+            dense_matmul_xla(dx, w) + dense_matmul_xla(x, dw))
 
 
 def expert_matmul_xla(x, w, idx) -> jax.Array:

@@ -541,10 +541,12 @@ def dq3_recipe(sizes: Mapping[str, int], sensitivity: Mapping[str, Mapping[str, 
 
 
 def tensor_sensitivity(w: np.ndarray, qtypes: Sequence[str], importance: np.ndarray | None = None,
-                       *, max_values: int = 1 << 16) -> dict[str, float]:
+                       *, max_values: int = 1 << 16, scale: float | None = None) -> dict[str, float]:
     """{type: ||dequant(quant(W)) - W||^2 / ||W||^2} for f32[rows, n] W, each column's squared
     error weighted by importance f32[n] when given (e.g. the diagonal of X^T X over
-    calibration inputs). Measured on evenly spaced rows, at most max_values values."""
+    calibration inputs). Measured on evenly spaced rows, at most max_values values. With
+    `scale`, the weighted error itself times scale instead (absolute: with scale = all rows /
+    rows measured, an estimate over the whole tensor that compares across tensors)."""
     sample = np.asarray(w[_sample_rows(w.shape[0], w.shape[1], max_values)], F32)
     col = np.ones(w.shape[1], np.float64) if importance is None else np.asarray(importance, np.float64)
     if col.shape != (w.shape[1],):
@@ -554,7 +556,7 @@ def tensor_sensitivity(w: np.ndarray, qtypes: Sequence[str], importance: np.ndar
     for q in qtypes:
         back = dequantize_blocks(quantize_blocks(sample, q), q).reshape(sample.shape)
         err = float(np.square(back - sample, dtype=np.float64).sum(axis=0) @ col)
-        out[q] = err / norm if norm > 0 else 0.0
+        out[q] = err * scale if scale is not None else (err / norm if norm > 0 else 0.0)
     return out
 
 
@@ -573,9 +575,12 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, str]:
     """{tensor name: type} for every tensor of the GGUF file `src` under `recipe` (one of
     RECIPES). DQ3_K_M keeps Q3_K_M's output / tied-embedding type and measures, for every
-    other quantisable tensor, `tensor_sensitivity` (on at most max_values of its values,
-    weighted by importance[name]: f32[n_per_row] when given) over DQ3_CANDIDATES, then runs
-    `dq3_recipe` with Q3_K_M's bits per weight over those tensors as the budget.
+    other quantisable tensor, `tensor_sensitivity` (on at most max_values of its values) over
+    DQ3_CANDIDATES, then runs `dq3_recipe` with Q3_K_M's bits per weight over those tensors
+    as the budget. Without `importance` the sensitivity is each tensor's relative error
+    (data-free); with it (f32[n_per_row] for every such tensor, e.g. `fisher_importance`),
+    the importance-weighted squared error of the whole tensor, which compares tensors by
+    their effect on the loss.
     progress(done, total) follows the measured tensors."""
     from jaxdec.checkpoint.gguf_reader import read_gguf_header
 
@@ -595,13 +600,20 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
     free = [t for t in tensors if is_quantisable(t.name, t.shape)
             and not (_category(t.name) == "output" or (tied and _category(t.name) == "token_embd"))]
     sizes = {t.name: int(np.prod(t.shape)) for t in free}
+    missing = [t.name for t in free if importance is not None and t.name not in importance]
+    if missing:
+        raise JaxdecError(f"importance covers {len(free) - len(missing)} of the {len(free)} "
+                          f"tensors DQ3_K_M allocates (missing {missing[0]}, ...)")
     sens = {}
     for done, t in enumerate(free):
         qtypes = sorted({fallback_type(q, t.shape[-1]) for q in DQ3_CANDIDATES}, key=bits_per_weight)
         n_rows = int(np.prod(t.shape[:-1]))
         w = read_tensor_f32(header.path, t, _sample_rows(n_rows, t.shape[-1], max_values))
-        imp = None if importance is None else importance.get(t.name)
-        sens[t.name] = tensor_sensitivity(w, qtypes, imp, max_values=max_values)
+        if importance is None:  # data-free: relative error
+            sens[t.name] = tensor_sensitivity(w, qtypes, max_values=max_values)
+        else:  # the importance-weighted error of the whole tensor
+            sens[t.name] = tensor_sensitivity(w, qtypes, importance[t.name], max_values=max_values,
+                                              scale=n_rows / len(w))
         if progress is not None:
             progress(done + 1, len(free))
     budget = bits_per_weight_of({n: base[n] for n in sizes}, sizes)
@@ -615,3 +627,24 @@ def read_tensor_f32(path: pathlib.Path, info, rows: np.ndarray | None = None) ->
     raw = np.memmap(path, np.uint8, mode="r", offset=info.start, shape=(n_rows, info.nbytes // n_rows))
     raw = np.array(raw if rows is None else raw[rows])
     return dequantize_blocks(raw, info.qtype).reshape(len(raw), info.shape[-1])
+
+
+# key paths of a jaxdec layer's matmuls -> the GGUF tensor names (inputs are GGUF's columns)
+_GGUF_NAMES = {".mixer.wq": "attn_q", ".mixer.wk": "attn_k", ".mixer.wv": "attn_v",
+               ".mixer.wo": "attn_output", ".ffn.w_gate": "ffn_gate", ".ffn.w_up": "ffn_up",
+               ".ffn.w_down": "ffn_down"}
+
+
+def fisher_importance(params, cfg, tokens: np.ndarray, *, progress=None) -> dict[str, np.ndarray]:
+    """{GGUF tensor name: f32[n_per_row]} for `recipe_types(importance=...)`: the empirical
+    Fisher information of the model's loss on calibration `tokens` per input column
+    (`calibrate.fisher_columns`), so that DQ3_K_M spends its bits where they lower the
+    loss most. A weight's columns are its inputs, which llama.cpp never permutes."""
+    from jaxdec.quant import calibrate
+
+    out = {}
+    for i, layer in enumerate(calibrate.fisher_columns(params, cfg, tokens, progress=progress)):
+        for path, f in layer.items():
+            if path in _GGUF_NAMES:
+                out[f"blk.{i}.{_GGUF_NAMES[path]}.weight"] = f.astype(np.float32)
+    return out
