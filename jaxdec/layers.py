@@ -38,6 +38,9 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
     Linear does.
     """
     if isinstance(w, dfloat11.DF11Array):  # lossless DFloat11: decoded just before its use
+        if n_in == 1 and dfloat11.slice_rows(w) is not None:  # big: a slice at a time
+            y = dfloat11.matmul_sliced(x, w, lambda xs, ws: linear(xs, ws, dtype=jnp.float32))
+            return y.astype(dtype or x.dtype)
         w = dfloat11.decompress(w, after=x)
     in_shape, out_shape = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
     if x.shape[x.ndim - n_in:] != in_shape:

@@ -3,8 +3,11 @@ real models, on the same text, beside the paper's claim.
 
     python scripts/quant_quality.py --models smollm2,qwen2.5-coder-0.5b
     python scripts/quant_quality.py --models smollm2 --rows f32,rtn:4,gptq:4 --windows 4
+    python scripts/quant_quality.py --models smollm2,qwen2.5-coder-0.5b --cached \
+        --out docs/quantization.md        # the table of every cached row, into the doc
 
-Finished rows are cached in --cache (JSON) and reused by a rerun with the same settings.
+Finished rows are cached per model in --cache (JSON) and reused by a rerun with the same
+settings.
 """
 
 import argparse
@@ -24,6 +27,23 @@ DEFAULT_ROWS = ("f32,bf16,df11,rtn:8,rtn:4,rtn:3,rtn:2,gptq:4,gptq:3,gptq:2,awq:
                 "kurtail:4,Q8_0,Q4_K_M,Q3_K_M,DQ3_K_M")
 
 
+BEGIN, END = "<!-- quality table: scripts/quant_quality.py -->", "<!-- end of quality table -->"
+
+
+def write_between_markers(path: pathlib.Path, text: str) -> None:
+    """Put `text` between BEGIN and END in `path` (the rest of the document kept), or make
+    `path` hold just the marked table when it has no markers."""
+    block = f"{BEGIN}\n{text}\n{END}"
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    else:
+        new = (old + "\n" if old else "") + block + "\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(new)
+    tmp.replace(path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2,qwen2.5-coder-0.5b")
@@ -36,7 +56,8 @@ def main(argv=None) -> int:
                    help="cache file per model ({model} is filled in)")
     p.add_argument("--cached", action="store_true",
                    help="only print the table of every row cached for --models")
-    p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--out", default=None,
+                   help="put the markdown table in this file (between its table markers)")
     args = p.parse_args(argv)
     settings = quant_table.Settings(**{f: getattr(args, f) for f in (
         "windows", "window", "calib_windows", "calib_window", "n_prompts", "new_tokens",
@@ -53,7 +74,7 @@ def main(argv=None) -> int:
     text = quant_table.table(done)
     print(text)
     if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
+        write_between_markers(pathlib.Path(args.out), text)
     return 0
 
 

@@ -123,8 +123,10 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
         return dfloat11.take_rows(params.embed, tokens).astype(dtype)
     if params.embed is not None:
         return _take(params.embed, tokens, axis=0)
-    if isinstance(params.lm_head, dfloat11.DF11Array):  # the whole head, then its columns
-        head = dfloat11.decompress(params.lm_head, after=tokens)
+    if isinstance(params.lm_head, dfloat11.DF11Array):
+        if dfloat11.slice_rows(params.lm_head) is not None:  # decoded a slice at a time
+            return dfloat11.take_columns(params.lm_head, tokens).astype(dtype)
+        head = dfloat11.decompress(params.lm_head, after=tokens)  # whole, then its columns
         return jnp.moveaxis(_take(head, tokens, axis=1), 0, -1).astype(dtype)
     if isinstance(params.lm_head, quant.QArray):
         return jnp.moveaxis(quant.take_columns(params.lm_head, tokens), 0, -1).astype(dtype)

@@ -29,8 +29,9 @@ decodes several arrays in one loop (a transformer block's, as the paper launches
 kernel per block); `take_rows` decodes only the blocks holding some rows (an embedding
 lookup). In a model, `transformer.decoder_layer` decodes each layer's weights just before
 the layer (`decompress_tree`, made to wait for the layer's input), `layers.linear` any
-other weight before its matmul, and `transformer.embed` the embedding rows it reads: at
-most one layer is decompressed at a time. `compress_params` is the `params -> params`
+other weight before its matmul, and `transformer.embed` the embedding rows it reads; a
+tensor larger than `SLICE_VALUES` (a tied LM head) is decoded a slice of rows at a time
+(`matmul_sliced`, `take_columns`): at most about one layer is decompressed at a time. `compress_params` is the `params -> params`
 transform; `layout`/`abstract` describe an array in a checkpoint (with a CRC-32).
 
 Letters: n elements, T threads (= ceil(n_bits / 64)), NB blocks, S = `max_count`.
@@ -63,7 +64,7 @@ _ENCODE_CHUNK = 1 << 22  # elements encoded at a time (bounds the encoder's memo
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["stream", "sign_mantissa", "gaps", "block_pos", "luts"],
-         meta_fields=["shape", "n_in", "n_bits", "max_len", "max_count"])
+         meta_fields=["shape", "n_in", "n_bits", "max_len", "max_count", "min_block"])
 @dataclasses.dataclass(frozen=True)
 class DF11Array:
     """A bfloat16 weight of logical `shape`, its exponents Huffman-coded (DFloat11).
@@ -89,6 +90,8 @@ class DF11Array:
       is a leaf `length << 8 | exponent` (1 <= length <= max_len) or `0x8000 | table`
       (0 < table < L, indexed by the next byte). At most ceil(max_len / 8) levels.
     - `max_count` (S, 1..64) is the most codes starting in one thread.
+    - `min_block` is 0 (unknown) or the fewest codes any block but the last holds (1..n;
+      it bounds the blocks a run of elements touches: `_blocks_per_row`).
     Leaves may be numpy or jax arrays (or `jax.ShapeDtypeStruct`s under `eval_shape`).
     """
 
@@ -102,6 +105,7 @@ class DF11Array:
     n_bits: int
     max_len: int
     max_count: int
+    min_block: int = 0
 
     @property
     def size(self) -> int:
@@ -150,6 +154,8 @@ def _check_meta(a: DF11Array) -> None:
         _fail(f"n_bits={a.n_bits!r} is not in [{a.size}, {a.size * a.max_len}]")
     if not isinstance(a.max_count, int) or not 1 <= a.max_count <= THREAD_BITS:
         _fail(f"max_count={a.max_count!r}, expected 1..{THREAD_BITS}")
+    if not isinstance(a.min_block, int) or not 0 <= a.min_block <= a.size:
+        _fail(f"min_block={a.min_block!r}, expected 0..{a.size}")
 
 
 def validate(a: DF11Array) -> DF11Array:
@@ -177,6 +183,8 @@ def check_data(a: DF11Array) -> DF11Array:
     pos = np.asarray(a.block_pos).astype(np.int64)
     if pos[0] != 0 or np.any(np.diff(pos) < 0) or pos[-1] > a.size:
         _fail("block positions are not a nondecreasing run from 0 to at most n")
+    if a.min_block and len(pos) > 1 and np.diff(pos).min() < a.min_block:
+        _fail(f"a block holds fewer than min_block={a.min_block} codes")
     gaps = _unpack_gaps_np(np.asarray(a.gaps), a.n_threads)
     if np.any(64 * np.arange(a.n_threads, dtype=np.int64) + gaps > a.n_bits):
         _fail("a thread's gap points past the end of the stream")
@@ -364,10 +372,12 @@ def compress(w, *, n_in: int = 1, max_len: int = MAX_CODE_LEN) -> DF11Array:
     stream, threads = _encode(exponent, lengths, codes, n_bits)
     _finish_threads(threads, bits.size, n_bits)
     counts = np.diff(threads.first)
+    block_pos = threads.first[:-1:THREADS_PER_BLOCK]
     a = DF11Array(stream=stream, sign_mantissa=sign_mantissa, gaps=_pack_gaps(threads.gap),
-                  block_pos=threads.first[:-1:THREADS_PER_BLOCK].astype(np.uint32),
-                  luts=build_luts(lengths, codes), shape=shape, n_in=n_in, n_bits=n_bits,
-                  max_len=int(lengths.max()), max_count=max(1, int(counts.max())))
+                  block_pos=block_pos.astype(np.uint32), luts=build_luts(lengths, codes),
+                  shape=shape, n_in=n_in, n_bits=n_bits, max_len=int(lengths.max()),
+                  max_count=max(1, int(counts.max())),
+                  min_block=int(np.diff(block_pos).min(initial=bits.size)))
     return validate(a)
 
 
@@ -562,10 +572,11 @@ def decompress_tree(tree, *, after=None):
 
 
 def _blocks_per_row(a: DF11Array, row: int) -> int:
-    """Most blocks a run of `row` consecutive elements can touch: a block holds at least
-    (bits per block - 32) / max_len codes."""
-    least = (THREADS_PER_BLOCK * THREAD_BITS - 32) // a.max_len
-    return 1 + -(-(row - 1) // least)
+    """Most blocks a run of `row` consecutive elements can touch: a block (but the last)
+    holds at least `min_block` codes, or when that is unknown (bits per block - 32) /
+    max_len."""
+    least = a.min_block or (THREADS_PER_BLOCK * THREAD_BITS - 32) // a.max_len
+    return min(a.n_blocks, 1 + -(-(row - 1) // least))
 
 
 def take_rows(a: DF11Array, idx) -> jax.Array:
@@ -590,6 +601,84 @@ def take_rows(a: DF11Array, idx) -> jax.Array:
         syms.reshape(-1), mode="drop")
     sm = jnp.asarray(a.sign_mantissa)[first[:, None] + jnp.arange(row, dtype=jnp.int32)]
     return _assemble(exponent, sm.reshape(-1)).reshape(*idx.shape, *a.shape[1:])
+
+
+# ---- big tensors, a slice of rows at a time ----------------------------------------------
+# A tensor of more values than this is never decoded whole: its matmul and its column lookup
+# go through it SLICE_VALUES (at most) at a time. A transformer block of the real models
+# holds 3-15M weights; their tied LM heads 28M (SmolLM2) and 136M (Qwen2.5-0.5B), which
+# decoded whole would be the largest thing a decode step holds.
+SLICE_VALUES = 1 << 22
+
+
+def slice_rows(a: DF11Array) -> int | None:
+    """Rows per slice for a tensor decoded in slices (the largest divisor of its first axis
+    whose rows hold at most SLICE_VALUES values; at least one row), None for one decoded
+    whole (at most SLICE_VALUES values, or contracting more than one axis)."""
+    rows, row = a.shape[0], math.prod(a.shape[1:])
+    if a.size <= SLICE_VALUES or a.n_in != 1:
+        return None
+    return max([d for d in range(1, rows + 1) if rows % d == 0 and d * row <= SLICE_VALUES] or [1])
+
+
+def take_slice(a: DF11Array, start, rows: int) -> jax.Array:
+    """W[start:start + rows] -> bf16[rows, *shape[1:]] (`start` may be traced), decoding only
+    the blocks that hold those elements, each once: their lanes decode as in `decompress`,
+    and the runs are placed relative to the slice's first element, with a margin of one
+    block's most codes for the runs that begin before it."""
+    validate(a)
+    row = math.prod(a.shape[1:])
+    n = rows * row
+    first = jnp.asarray(start, jnp.int32) * row
+    pos = jnp.asarray(a.block_pos).astype(jnp.int32)
+    nb = _blocks_per_row(a, n)
+    blocks = jnp.searchsorted(pos, first, side="right").astype(jnp.int32) - 1 + jnp.arange(nb)
+    t = (blocks[:, None] * THREADS_PER_BLOCK + jnp.arange(THREADS_PER_BLOCK, dtype=jnp.int32)).reshape(-1)
+    syms, count = _decode(_lanes(_words(a.stream), a.gaps, t, n_bits=a.n_bits), _flat_luts([a]),
+                          a.max_count, -(-a.max_len // 8))
+    margin = THREADS_PER_BLOCK * THREAD_BITS  # a block holds at most this many codes
+    # blocks past the last (idle lanes) start at n, after every real one: the offsets stay
+    # sorted, as `_place`'s scatter is told they are
+    base = jnp.where(blocks < a.n_blocks, pos[jnp.minimum(blocks, a.n_blocks - 1)], a.size)
+    offsets = _offsets(count, base) - first + margin
+    exponent = _place(syms, offsets, margin + n)[margin:]
+    sm = jax.lax.dynamic_slice_in_dim(jnp.asarray(a.sign_mantissa), first, n)
+    return _assemble(exponent, sm).reshape(rows, *a.shape[1:])
+
+
+def matmul_sliced(x, a: DF11Array, matmul) -> jax.Array:
+    """x[..., K] @ W -> f32[..., *shape[1:]] for W = `a` [K, ...], decoding `slice_rows(a)`
+    rows of W at a time: sum over slices of x[..., rows] @ W[rows] (`matmul(x2, w)` the
+    float32-accumulating product). The sum runs over slices in order, so the result
+    differs from one whole product by float32 rounding only."""
+    rows = slice_rows(a) or a.shape[0]
+    k, out = a.shape[0], a.shape[1:]
+    x2 = x.reshape(-1, k)
+
+    def one(c, acc):
+        w = take_slice(a, c * rows, rows).reshape(rows, -1)
+        xs = jax.lax.dynamic_slice_in_dim(x2, c * rows, rows, axis=1)
+        return acc + matmul(xs, w).astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(0, k // rows, one, jnp.zeros((x2.shape[0], math.prod(out)), jnp.float32))
+    return acc.reshape(*x.shape[:-1], *out)
+
+
+def take_columns(a: DF11Array, idx) -> jax.Array:
+    """W[:, idx] with the columns' axis last -> bf16[*idx.shape, K] for a sliced 2-D `a`
+    [K, N] (a tied LM head read as the embedding), `slice_rows(a)` rows decoded at a time.
+    The columns are gathered as uint16 bits (XLA:CPU would widen a bf16 slice to f32)."""
+    validate(a)
+    idx = jnp.asarray(idx, jnp.int32)
+    rows, k, flat = slice_rows(a) or a.shape[0], a.shape[0], idx.reshape(-1)
+
+    def one(c, out):
+        w = take_slice(a, c * rows, rows)  # [rows, N]
+        bits = jnp.take(jax.lax.bitcast_convert_type(w, jnp.uint16), flat, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, bits, c * rows, axis=0)
+
+    out = jax.lax.fori_loop(0, k // rows, one, jnp.zeros((k, flat.shape[0]), jnp.uint16))
+    return jax.lax.bitcast_convert_type(out.T, jnp.bfloat16).reshape(*idx.shape, k)
 
 
 # ---- whole models -----------------------------------------------------------------------
@@ -639,7 +728,8 @@ def layout(a: DF11Array) -> dict:
     """The static layout of `a` as JSON (what a restore needs to rebuild it), with a
     CRC-32 of its data so that a damaged file is refused."""
     return {"format": "dfloat11", "shape": list(a.shape), "n_in": a.n_in, "n_bits": a.n_bits,
-            "max_len": a.max_len, "max_count": a.max_count, "n_luts": int(a.luts.shape[0]),
+            "max_len": a.max_len, "max_count": a.max_count, "min_block": a.min_block,
+            "n_luts": int(a.luts.shape[0]),
             "crc32": checksum(a)}
 
 
@@ -663,7 +753,7 @@ def abstract(entry: dict, shape: tuple[int, ...] | None = None) -> DF11Array:
                       block_pos=sds((-(-t // THREADS_PER_BLOCK),), jnp.uint32),
                       luts=sds((int(entry["n_luts"]), 256), jnp.uint16), shape=logical,
                       n_in=int(entry["n_in"]), n_bits=n_bits, max_len=int(entry["max_len"]),
-                      max_count=int(entry["max_count"]))
+                      max_count=int(entry["max_count"]), min_block=int(entry.get("min_block", 0)))
     except (KeyError, TypeError, ValueError) as e:
         raise JaxdecError(f"malformed DFloat11 layout entry ({e.__class__.__name__}: {e})") from None
     if shape is not None and logical != tuple(shape):
