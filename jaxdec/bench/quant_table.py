@@ -50,7 +50,7 @@ from jaxdec.quant.qarray import QArray
 CLAIMS = {
     "f32": "baseline (the dequantised GGUF)",
     "bf16": "bfloat16 weights and activations",
-    "df11": "lossless: ~70% of bf16, outputs bit-identical to bf16",
+    "df11": "lossless: ~70% of bf16; weights bit-exact, bf16's greedy tokens",
     "Q8_0": "llama.cpp: +0.0004 ppl on LLaMA-7B (wikitext)",
     "Q4_K_M": "llama.cpp: +0.0535 ppl on LLaMA-7B; the usual default",
     "Q3_K_M": "llama.cpp: +0.2437 ppl on LLaMA-7B",
@@ -248,7 +248,7 @@ def _label(r: dict) -> str:
     rotation = {"w4a4": "no rotation", "hadamard": "block-Hadamard", "kurtail": "KurTail"}
     if m in rotation:
         return f"W{r['bits']}A{r['bits']}KV{r['bits']} {rotation[m]}"
-    return f"{m} W{r['bits']}" + ("A8" if m in ("zeroquant", "smoothquant") else "")
+    return f"{m} W{r['bits']}" + ("A8" if m in ("zeroquant", "smoothquant", "llm_int8") else "")
 
 
 def format_row(r: dict) -> str:
