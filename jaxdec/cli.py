@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("src", help="a model name, .gguf file, HF dir or jaxdec checkpoint")
     q.add_argument("out")
     q.add_argument("--method", required=True,
-                   help="rtn, hqq, gptq, awq, zeroquant, llm_int8, smoothquant (an orbax "
+                   help="rtn, hqq, gptq, awq, zeroquant, llm_int8, smoothquant, or kurtail / "
+                        "hadamard (W4A4KV4 with learned / random rotations; an orbax "
                         "checkpoint); or a k-quant recipe Q8_0, Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, "
                         "Q4_K_M, Q3_K_M, DQ3_K_M (a GGUF file, from a GGUF source)")
     q.add_argument("--bits", type=int, default=4, help="weight bits (2, 3, 4, 8 by method)")

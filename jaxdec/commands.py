@@ -176,6 +176,8 @@ def quantize(args) -> int:
 
     if args.method.upper() in _kquant_recipes():
         return _quantize_gguf(args)
+    if args.method in ("kurtail", "hadamard"):
+        return _quantize_rotated(args)
     spec = methods.QuantSpec(method=args.method, bits=args.bits, group_size=args.group,
                              alpha=args.alpha, act_order=args.act_order).check()
     model = jaxdec.load(args.src)
@@ -188,6 +190,30 @@ def quantize(args) -> int:
         params = methods.quantize_model(model.params, model.cfg, spec, calib=calib,
                                         progress=progress)
     quantized = dataclasses.replace(model, params=params, source=f"{model.source} ({spec.method} W{spec.bits})")
+    path = jaxdec.save(quantized, args.out)
+    print(f"wrote {path} ({_human(_nbytes(params))} of parameters)")
+    return 0
+
+
+def _quantize_rotated(args) -> int:
+    """W{b}A{b}KV{b} with KurTail's learned or random block-Hadamard rotations folded into
+    the weights (GPTQ weights per output channel): an orbax checkpoint."""
+    from jaxdec.quant import calibrate, kurtail
+
+    if args.bits not in (4, 8):
+        raise JaxdecError(f"{args.method} quantises weights, activations and KV cache to 4 or 8 "
+                          f"bits, not {args.bits}")
+    model = jaxdec.load(args.src)
+    encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
+    calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
+    bar, progress = _layer_bar(f"{args.method} W{args.bits}A{args.bits}KV{args.bits}")
+    with bar:
+        params = kurtail.quantize_w4a4kv4(model.params, model.cfg, args.method, calib,
+                                          w_bits=args.bits, act_bits=args.bits,
+                                          kv_bits=args.bits, progress=progress)
+    cfg = dataclasses.replace(model.cfg, tie_embeddings=False)  # the rotations untie the head
+    quantized = dataclasses.replace(model, cfg=cfg, params=params,
+                                    source=f"{model.source} ({args.method} W{args.bits}A{args.bits}KV{args.bits})")
     path = jaxdec.save(quantized, args.out)
     print(f"wrote {path} ({_human(_nbytes(params))} of parameters)")
     return 0

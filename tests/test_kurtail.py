@@ -221,3 +221,20 @@ def test_bad_input_is_one_line_error(smol):
     assert_one_line_error(layers.linear, x, bad, match="out_group")
     bad = dataclasses.replace(bad, out_group=16, out_bits=3)
     assert_one_line_error(layers.linear, x, bad, match="out_bits")
+
+
+def test_w4a4kv4_checkpoint_round_trip(smol, tmp_path):
+    """SmolLM2 rotated (block-Hadamard) and quantised W4A4KV4 (RTN weights, for speed) is
+    saved as orbax with its untied head and loads back to the same logits, as `jaxdec
+    quantize --method hadamard` writes it."""
+    import jaxdec
+
+    model, _, tokens = smol
+    params = kurtail.quantize_w4a4kv4(model.params, model.cfg, "hadamard", weight_method="rtn")
+    q = dataclasses.replace(model, params=params,
+                            cfg=dataclasses.replace(model.cfg, tie_embeddings=False))
+    back = jaxdec.load(str(jaxdec.save(q, tmp_path / "w4a4kv4")))
+    assert isinstance(back.params.layers[3].mixer.wk, ActQuant)
+    assert back.params.layers[3].mixer.wk.out_bits == 4
+    np.testing.assert_array_equal(jaxdec.api.score(back, tokens.tolist()),
+                                  jaxdec.api.score(q, tokens.tolist()))
