@@ -56,7 +56,7 @@ class Model:
         if not bits:
             df11 = any(map(dfloat11.is_df11, jax.tree.leaves(self.params, is_leaf=dfloat11.is_df11)))
             return "dfloat11" if df11 else str(self.dtype)
-        return f"int{bits.pop()}" if len(bits) == 1 else "mixed int4/int8"
+        return f"int{bits.pop()}" if len(bits) == 1 else "mixed " + "/".join(f"int{b}" for b in sorted(bits))
 
 
 def _is_q(x) -> bool:

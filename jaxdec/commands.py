@@ -296,8 +296,9 @@ def info(args) -> int:
     for name in ("mla", "moe", "mamba"):
         if getattr(cfg, name) is not None:
             print(f"{name:<14}{getattr(cfg, name)}")
-    n = pytree.param_count(model.params)
-    print(f"parameters    {n:,} ({_human(_nbytes(model.params))} as {model.dtype})")
+    n, stored = pytree.param_count(model.params), _nbytes(model.params)
+    print(f"parameters    {n:,} ({_human(stored)} stored: {model.weights} weights, "
+          f"{8 * stored / n:.2f} bits a parameter; activations {model.dtype})")
     stored = collections.Counter(model.tensor_types.values())
     if stored:
         print("tensor types  " + ", ".join(f"{k} x{v}" for k, v in sorted(stored.items())))

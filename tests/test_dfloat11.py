@@ -473,6 +473,10 @@ def test_cli_round_trip_and_damaged_files(tmp_path):
     plain, small = run(*args, "--model", str(src)), run(*args, "--model", str(out))
     assert plain.returncode == 0 == small.returncode, small.stderr
     assert plain.stdout == small.stdout
+    info = run("info", str(out))
+    assert info.returncode == 0 and "dfloat11 weights" in info.stdout, info.stderr
+    bits = float(info.stdout.split(" bits a parameter")[0].split()[-1])
+    assert 8 < bits < 16, info.stdout  # ~11 bits a weight, and the float norms
 
     for damage in ("flip", "truncate"):
         bad = tmp_path / f"bad-{damage}"
