@@ -596,9 +596,7 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
     if recipe != "DQ3_K_M":
         return llama_types(tensors, recipe, n_layer=n_layer, is_70b=is_70b)
     base = llama_types(tensors, "Q3_K_M", n_layer=n_layer, is_70b=is_70b)
-    tied = "output.weight" not in header.tensors
-    free = [t for t in tensors if is_quantisable(t.name, t.shape)
-            and not (_category(t.name) == "output" or (tied and _category(t.name) == "token_embd"))]
+    free = dq3_tensors(src)
     sizes = {t.name: int(np.prod(t.shape)) for t in free}
     missing = [t.name for t in free if importance is not None and t.name not in importance]
     if missing:
@@ -606,7 +604,7 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
                           f"tensors DQ3_K_M allocates (missing {missing[0]}, ...)")
     sens = {}
     for done, t in enumerate(free):
-        qtypes = sorted({fallback_type(q, t.shape[-1]) for q in DQ3_CANDIDATES}, key=bits_per_weight)
+        qtypes = dq3_candidates(t.shape[-1])
         n_rows = int(np.prod(t.shape[:-1]))
         w = read_tensor_f32(header.path, t, _sample_rows(n_rows, t.shape[-1], max_values))
         if importance is None:  # data-free: relative error
@@ -618,6 +616,21 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
             progress(done + 1, len(free))
     budget = bits_per_weight_of({n: base[n] for n in sizes}, sizes)
     return {**base, **dq3_recipe(sizes, sens, budget)}
+
+
+def dq3_candidates(n_per_row: int) -> list[str]:
+    """DQ3_K_M's candidate types for rows of n_per_row values (fallbacks applied), by bits."""
+    return sorted({fallback_type(q, n_per_row) for q in DQ3_CANDIDATES}, key=bits_per_weight)
+
+
+def dq3_tensors(src: str | pathlib.Path) -> list:
+    """The tensors of the GGUF file `src` whose types DQ3_K_M chooses (header infos)."""
+    from jaxdec.checkpoint.gguf_reader import read_gguf_header
+
+    header = read_gguf_header(src)
+    tied = "output.weight" not in header.tensors
+    return [t for t in header.tensors.values() if is_quantisable(t.name, t.shape)
+            and not (_category(t.name) == "output" or (tied and _category(t.name) == "token_embd"))]
 
 
 def read_tensor_f32(path: pathlib.Path, info, rows: np.ndarray | None = None) -> np.ndarray:
@@ -648,3 +661,4 @@ def fisher_importance(params, cfg, tokens: np.ndarray, *, progress=None) -> dict
             if path in _GGUF_NAMES:
                 out[f"blk.{i}.{_GGUF_NAMES[path]}.weight"] = f.astype(np.float32)
     return out
+
