@@ -661,4 +661,3 @@ def fisher_importance(params, cfg, tokens: np.ndarray, *, progress=None) -> dict
             if path in _GGUF_NAMES:
                 out[f"blk.{i}.{_GGUF_NAMES[path]}.weight"] = f.astype(np.float32)
     return out
-
