@@ -126,8 +126,35 @@ def test_fisher_columns_are_hf_autograd_squared_gradients():
         for k, mod in mods.items():  # torch weights are [out, in]
             want[k] = want[k] + mod.weight.grad.double().square().sum(0).numpy()
     for k, w in want.items():
-        np.testing.assert_allclose(got[5][k], w, rtol=2e-2, atol=1e-3 * np.abs(w).max())
-        assert np.corrcoef(got[5][k], w)[0, 1] > 0.999
+        np.testing.assert_allclose(got.layers[5][k], w, rtol=2e-2, atol=1e-3 * np.abs(w).max())
+        assert np.corrcoef(got.layers[5][k], w)[0, 1] > 0.999
+    assert got.embed is None  # tied: the head's weights are no DQ3 tensor
+
+
+def test_fisher_covers_qwens_untied_embedding():
+    """Qwen2.5-Coder's GGUF has its own output tensor, so its token_embd is one of DQ3's
+    tensors: `fisher_importance` gives every DQ3 tensor a column importance, and the
+    embedding's (squared gradient summed over the vocabulary) matches PyTorch autograd
+    through HF transformers. Rows one chunk at a time: the chunks' sums add up."""
+    import torch
+
+    from jaxdec.checkpoint import registry
+    from jaxdec.quant import kquants
+
+    model, hf = jax_model("qwen2.5-coder-0.5b"), hf_model("qwen2.5-coder-0.5b")
+    tokens = calibrate.calibration_tokens(_encode(model), n_windows=2, window=24)
+    fisher = calibrate.fisher_columns(model.params, model.cfg, tokens, chunk=1)
+    imp = kquants.fisher_importance(model.params, model.cfg, tokens)
+    src = registry.resolve("qwen2.5-coder-0.5b")
+    assert {t.name for t in kquants.dq3_tensors(src)} <= set(imp)
+    want = 0.0
+    for row in tokens:
+        hf.zero_grad()
+        ids = torch.tensor(row[None], dtype=torch.long)
+        torch.nn.functional.cross_entropy(hf(ids).logits[0, :-1].float(), ids[0, 1:]).backward()
+        want = want + hf.model.embed_tokens.weight.grad.double().square().sum(0).numpy()
+    np.testing.assert_allclose(fisher.embed, want, rtol=2e-2, atol=1e-3 * np.abs(want).max())
+    np.testing.assert_allclose(imp["token_embd.weight"], fisher.embed, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b"])

@@ -149,50 +149,69 @@ def run_layers(params, cfg, tokens: np.ndarray, quantize_layer, *, batch: int = 
     return dataclasses.replace(params, layers=tuple(new))
 
 
+def _columns(path, spec, g):
+    """A matmul weight's squared gradient summed over its output axes -> f32[K]; None for
+    any other parameter."""
+    if isinstance(spec, ParamSpec) and spec.n_in is not None:
+        return jnp.square(g.astype(jnp.float32)).reshape(int(np.prod(g.shape[:spec.n_in])), -1).sum(1)
+    return None
+
+
+def _fisher_terms(grads, decl, d_model: int):
+    """(per layer, a tree shaped like the layer of `_columns`; the embedding table's squared
+    gradient summed over the vocabulary, f32[D], zeros when the embedding is tied)."""
+    cols = [jax.tree_util.tree_map_with_path(_columns, d, g, is_leaf=lambda x: x is None or is_spec(x))
+            for d, g in zip(decl.layers, grads.layers)]
+    emb = (jnp.zeros((d_model,), jnp.float32) if grads.embed is None
+           else jnp.square(grads.embed.astype(jnp.float32)).sum(0))
+    return cols, emb
+
+
 @partial(jax.jit, static_argnames=("cfg", "decl"))
-def _fisher_step(params, tokens, cfg, decl):
-    """For one row of tokens: per layer {key path: f32[K]}, the squared gradient of the mean
-    next-token loss summed over each matmul weight's output axes."""
-    def loss(p):
-        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits = transformer.forward(p, tokens, pos, None, cfg)[0][:, :-1].astype(jnp.float32)
+def _fisher_sums(params, tokens, cfg, decl):
+    """`_fisher_terms` of each row of tokens [R, T] (the gradient of that row's mean
+    next-token loss), summed over the rows in one loop."""
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+
+    def loss(p, row):
+        logits = transformer.forward(p, row[None], pos, None, cfg)[0][:, :-1].astype(jnp.float32)
         logp = jax.nn.log_softmax(logits)
-        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+        return -jnp.take_along_axis(logp, row[None, 1:, None], axis=-1).mean()
 
-    grads = jax.grad(loss)(params)
-    out = []
-    for g_layer, d_layer in zip(grads.layers, decl.layers):
-        found = jax.tree_util.tree_flatten_with_path(d_layer, is_leaf=is_spec)[0]
-        cols = {}
-        for path, spec in found:
-            if isinstance(spec, ParamSpec) and spec.n_in is not None:
-                g = _at(g_layer, path).astype(jnp.float32)
-                k = int(np.prod(g.shape[:spec.n_in]))
-                cols[jax.tree_util.keystr(path)] = jnp.square(g).reshape(k, -1).sum(1)
-        out.append(cols)
-    return out
+    def one(total, row):
+        terms = _fisher_terms(jax.grad(loss)(params, row), decl, cfg.d_model)
+        return jax.tree.map(jnp.add, total, terms), None
+
+    init = jax.tree.map(jnp.zeros_like, _fisher_terms(params, decl, cfg.d_model))
+    return jax.lax.scan(one, init, tokens)[0]
 
 
-def _at(tree, path):
-    for key in path:
-        tree = getattr(tree, key.name)
-    return tree
+@dataclasses.dataclass
+class Fisher:
+    """The empirical Fisher information of the calibration loss per input feature."""
+
+    layers: list[dict[str, np.ndarray]]  # per layer {matmul key path: f64[K]}
+    embed: np.ndarray | None             # f64[D] for an untied embedding table, else None
 
 
-def fisher_columns(params, cfg, tokens: np.ndarray, *, progress=None) -> list[dict[str, np.ndarray]]:
+def fisher_columns(params, cfg, tokens: np.ndarray, *, chunk: int = 8, progress=None) -> Fisher:
     """The empirical Fisher information of the calibration loss, per input feature: for each
     layer, {matmul key path (`matmul_names`): f64[K]}, the sum over calibration rows of the
     squared gradient of that row's mean next-token loss, summed over the weight's output
-    axes. Sum(F_k * dW_kn^2) over a weight approximates twice the loss increase that the
-    perturbation dW causes (second-order Taylor with the Fisher for the Hessian), so it
-    compares tensors by their effect on the model, not on their own output (DQ3's bits)."""
+    axes (and for an untied embedding table, over the vocabulary). Sum(F_k * dW_kn^2) over a
+    weight approximates twice the loss increase that the perturbation dW causes
+    (second-order Taylor with the Fisher for the Hessian), so it compares tensors by their
+    effect on the model, not on their own output (DQ3's bits). Rows run `chunk` at a time
+    in one jitted loop; progress(done, total) follows the rows."""
     decl = transformer.declare(cfg)
     tokens = np.asarray(tokens, np.int32)
-    total = None
-    for i, row in enumerate(tokens):
-        part = jax.device_get(_fisher_step(params, row[None], cfg, decl))
-        part = [{k: np.asarray(v, np.float64) for k, v in layer.items()} for layer in part]
-        total = part if total is None else [{k: t[k] + p[k] for k in t} for t, p in zip(total, part)]
+    layers, embed = None, None
+    for b in range(0, len(tokens), chunk):
+        cols, emb = jax.device_get(_fisher_sums(params, tokens[b:b + chunk], cfg, decl))
+        part = [{jax.tree_util.keystr(path): np.asarray(v, np.float64)
+                 for path, v in jax.tree_util.tree_flatten_with_path(layer)[0]} for layer in cols]
+        layers = part if layers is None else [{k: t[k] + p[k] for k in t} for t, p in zip(layers, part)]
+        embed = np.asarray(emb, np.float64) + (0 if embed is None else embed)
         if progress is not None:
-            progress(i + 1, len(tokens))
-    return total
+            progress(min(b + chunk, len(tokens)), len(tokens))
+    return Fisher(layers=layers, embed=embed if params.embed is not None else None)

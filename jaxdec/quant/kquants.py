@@ -652,12 +652,13 @@ def fisher_importance(params, cfg, tokens: np.ndarray, *, progress=None) -> dict
     """{GGUF tensor name: f32[n_per_row]} for `recipe_types(importance=...)`: the empirical
     Fisher information of the model's loss on calibration `tokens` per input column
     (`calibrate.fisher_columns`), so that DQ3_K_M spends its bits where they lower the
-    loss most. A weight's columns are its inputs, which llama.cpp never permutes."""
+    loss most. A weight's columns are its inputs, which llama.cpp never permutes; an untied
+    embedding's columns are its D features."""
     from jaxdec.quant import calibrate
 
-    out = {}
-    for i, layer in enumerate(calibrate.fisher_columns(params, cfg, tokens, progress=progress)):
-        for path, f in layer.items():
-            if path in _GGUF_NAMES:
-                out[f"blk.{i}.{_GGUF_NAMES[path]}.weight"] = f.astype(np.float32)
+    fisher = calibrate.fisher_columns(params, cfg, tokens, progress=progress)
+    out = {f"blk.{i}.{_GGUF_NAMES[path]}.weight": f.astype(np.float32)
+           for i, layer in enumerate(fisher.layers) for path, f in layer.items() if path in _GGUF_NAMES}
+    if fisher.embed is not None:  # an untied token_embd [vocab, D]: its rows' inputs are D
+        out["token_embd.weight"] = fisher.embed.astype(np.float32)
     return out
