@@ -579,31 +579,7 @@ def _blocks_per_row(a: DF11Array, row: int) -> int:
     return min(a.n_blocks, 1 + -(-(row - 1) // least))
 
 
-def take_rows(a: DF11Array, idx) -> jax.Array:
-    """W[idx] along the first axis -> bf16[*idx.shape, *shape[1:]], decoding only the
-    blocks that hold those rows (an embedding lookup)."""
-    validate(a)
-    idx = jnp.asarray(idx, jnp.int32)
-    row, nb = math.prod(a.shape[1:]), _blocks_per_row(a, math.prod(a.shape[1:]))
-    pos = jnp.asarray(a.block_pos).astype(jnp.int32)
-    first = idx.reshape(-1) * row  # i32[R] first element of each row
-    blocks = jnp.searchsorted(pos, first, side="right").astype(jnp.int32)[:, None] - 1 + jnp.arange(nb)
-    t = blocks[..., None] * THREADS_PER_BLOCK + jnp.arange(THREADS_PER_BLOCK, dtype=jnp.int32)
-    lanes = _lanes(_words(a.stream), a.gaps, t.reshape(-1), n_bits=a.n_bits)
-    syms, count = _decode(lanes, _flat_luts([a]), a.max_count, -(-a.max_len // 8))
-    offsets = _offsets(count, pos[jnp.minimum(blocks, a.n_blocks - 1)].reshape(-1))
-    rel = offsets.reshape(first.shape[0], -1) - first[:, None]  # i32[R, nb * 512] within the row
-    i = jnp.arange(syms.shape[0], dtype=jnp.int32)[:, None, None]
-    inside = (i < count.reshape(rel.shape)) & (rel + i >= 0) & (rel + i < row)
-    r = jnp.arange(first.shape[0], dtype=jnp.int32)[:, None]
-    target = jnp.where(inside, r * row + rel + i, first.shape[0] * row)
-    exponent = jnp.zeros(first.shape[0] * row, jnp.uint8).at[target.reshape(-1)].set(
-        syms.reshape(-1), mode="drop")
-    sm = jnp.asarray(a.sign_mantissa)[first[:, None] + jnp.arange(row, dtype=jnp.int32)]
-    return _assemble(exponent, sm.reshape(-1)).reshape(*idx.shape, *a.shape[1:])
-
-
-# ---- big tensors, a slice of rows at a time ----------------------------------------------
+# ---- runs of rows: embedding lookups, and big tensors a slice at a time --------------------
 # A tensor of more values than this is never decoded whole: its matmul and its column lookup
 # go through it SLICE_VALUES (at most) at a time. A transformer block of the real models
 # holds 3-15M weights; their tied LM heads 28M (SmolLM2) and 136M (Qwen2.5-0.5B), which
@@ -644,6 +620,15 @@ def take_slice(a: DF11Array, start, rows: int) -> jax.Array:
     exponent = _place(syms, offsets, margin + n)[margin:]
     sm = jax.lax.dynamic_slice_in_dim(jnp.asarray(a.sign_mantissa), first, n)
     return _assemble(exponent, sm).reshape(rows, *a.shape[1:])
+
+
+def take_rows(a: DF11Array, idx) -> jax.Array:
+    """W[idx] along the first axis -> bf16[*idx.shape, *shape[1:]], decoding only the
+    blocks that hold those rows (an embedding lookup): `take_slice` of one row, for each."""
+    validate(a)
+    idx = jnp.asarray(idx, jnp.int32)
+    rows = jax.vmap(lambda r: take_slice(a, r, 1))(idx.reshape(-1))
+    return rows.reshape(*idx.shape, *a.shape[1:])
 
 
 def matmul_sliced(x, a: DF11Array, matmul) -> jax.Array:
