@@ -200,17 +200,16 @@ def _quantize_rotated(args) -> int:
     the weights (GPTQ weights per output channel): an orbax checkpoint."""
     from jaxdec.quant import calibrate, kurtail
 
-    if args.bits not in (4, 8):
-        raise JaxdecError(f"{args.method} quantises weights, activations and KV cache to 4 or 8 "
-                          f"bits, not {args.bits}")
+    if args.bits not in kurtail.ACT_BITS:  # checked before loading anything
+        raise JaxdecError(f"{args.method} quantises weights, activations and KV cache to "
+                          f"{' or '.join(map(str, kurtail.ACT_BITS))} bits, not {args.bits}")
     model = jaxdec.load(args.src)
     encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
     calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
     bar, progress = _layer_bar(f"{args.method} W{args.bits}A{args.bits}KV{args.bits}")
     with bar:
-        params = kurtail.quantize_w4a4kv4(model.params, model.cfg, args.method, calib,
-                                          w_bits=args.bits, act_bits=args.bits,
-                                          kv_bits=args.bits, progress=progress)
+        params = kurtail.table_row(model.params, model.cfg, args.method, args.bits, calib,
+                                   progress=progress)
     cfg = dataclasses.replace(model.cfg, tie_embeddings=False)  # the rotations untie the head
     quantized = dataclasses.replace(model, cfg=cfg, params=params,
                                     source=f"{model.source} ({args.method} W{args.bits}A{args.bits}KV{args.bits})")

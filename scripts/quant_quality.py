@@ -21,6 +21,7 @@ os.environ.setdefault("JAXDEC_CPU_AMX", "0")
 
 from jaxdec.bench import quant_table
 from jaxdec.errors import JaxdecError
+from jaxdec.files import write_text_atomic
 
 DEFAULT_ROWS = ("f32,bf16,df11,rtn:8,rtn:4,rtn:3,rtn:2,gptq:4,gptq:3,gptq:2,awq:4,awq:3,hqq:4,"
                 "hqq:3,hqq:2,zeroquant:8,zeroquant:4,llm_int8:8,smoothquant:8,w4a4:4,hadamard:4,"
@@ -39,9 +40,7 @@ def write_between_markers(path: pathlib.Path, text: str) -> None:
         new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
     else:
         new = (old + "\n" if old else "") + block + "\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(new)
-    tmp.replace(path)
+    write_text_atomic(path, new)
 
 
 def main(argv=None) -> int:

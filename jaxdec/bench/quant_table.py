@@ -39,6 +39,7 @@ import numpy as np
 import jaxdec
 from jaxdec import corpora, perplexity, prompts
 from jaxdec.errors import JaxdecError
+from jaxdec.files import write_text_atomic
 from jaxdec.checkpoint import registry
 from jaxdec.checkpoint.gguf_reader import read_gguf_header
 from jaxdec.models import transformer
@@ -220,10 +221,7 @@ def run(models: list[str], rows: list[str], settings: Settings, cache: str,
                 continue
             ev = ev or Evaluator(name, settings)
             done["rows"][k] = {"model": name, **ev.row(spec)}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(done, indent=1))
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps(done, indent=1))
             log(format_row(done["rows"][k]))
         out[name] = {text: done["rows"][f"{name} {text}"] for text in rows}
     return out

@@ -555,8 +555,8 @@ TABLE_ROWS = {"w4a4": "none", "hadamard": "hadamard", "kurtail": "kurtail"}
 
 
 def table_row(params, cfg: ModelConfig, name: str, bits: int, calib, *, progress=None):
-    """The quality table's row `name`:`bits`: weights, activations and KV cache at `bits`
-    (weights by GPTQ per output channel), rotated by `TABLE_ROWS[name]`."""
+    """W{bits}A{bits}KV{bits} rotated by `TABLE_ROWS[name]` (weights by GPTQ per output
+    channel): the quality table's row `name`:`bits`, and `jaxdec quantize --method name`."""
     if name not in TABLE_ROWS:
         raise JaxdecError(f"unknown rotation row {name!r} (one of {', '.join(TABLE_ROWS)})")
     return quantize_w4a4kv4(params, cfg, TABLE_ROWS[name], calib, w_bits=bits, act_bits=bits,

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdec.errors import JaxdecError
+from jaxdec.files import write_text_atomic
 from jaxdec.quant import cpu_kernel
 
 RUN_FILE = "run.json"
@@ -192,10 +193,7 @@ def _claim(out: pathlib.Path, record: dict, resume: bool) -> None:
             raise JaxdecError(f"{out} holds a run with other settings ({', '.join(changed)}); "
                               "use another output directory")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(record, indent=1))
 
 
 def _manager(directory: pathlib.Path):
@@ -236,9 +234,7 @@ def _trim_metrics(path: pathlib.Path, start: int) -> list[dict]:
     if not path.is_file():
         return []
     kept = [ln for ln in _parse_lines(path) if ln["step"] <= start]
-    tmp = path.with_suffix(".partial")
-    tmp.write_text("".join(json.dumps(ln) + "\n" for ln in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(ln) + "\n" for ln in kept))
     return kept
 
 
