@@ -9,8 +9,9 @@ positions, tables), their fraction, the exponents' Shannon entropy and the bits 
 then the same for Gaussian weights of the same shapes and standard deviations (the paper's
 ~70% is about trained weights; a Gaussian is the reference point). Decompression is timed
 layer by layer, as the model decodes it (`decompress_many` per layer, the head alone),
-compiled first. `--memory` adds a decode step's XLA buffer sizes (arguments + temporaries)
-and the peak RSS of a `generate` run, bf16 against DFloat11, in fresh processes.
+compiled first. `--memory` adds a decode step's XLA buffer sizes (arguments + temporaries),
+the RSS once loaded and the peak RSS of a `generate` run, bf16 against DFloat11, each read
+from an orbax checkpoint in a fresh process.
 """
 
 from __future__ import annotations
@@ -94,19 +95,20 @@ def _child(source: str, new_tokens: int) -> None:
     from jaxdec import api, decode
     from jaxdec.sampling import Greedy
 
+    rss = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
     model = jaxdec.load(source, dtype="bfloat16")
+    loaded = rss("VmRSS:")
     cache = api.init_cache(model, 1, 128)
     step = decode.decode_step.lower(model.params, cache, jnp.zeros(1, jnp.int32),
                                     jax.random.key(0), sampler=Greedy(), cfg=model.cfg).compile()
     mem = step.memory_analysis()
     prompt = "The capital of France is"
     jaxdec.generate(model, prompt, max_new_tokens=new_tokens)
-    rss = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
     pathlib.Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
     before = rss("VmRSS:")
     jaxdec.generate(model, prompt, max_new_tokens=new_tokens)
     print(json.dumps({"args": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
-                      "rss_before": before, "rss_peak": rss("VmHWM:")}))
+                      "rss_loaded": loaded, "rss_before": before, "rss_peak": rss("VmHWM:")}))
 
 
 def memory(name: str, new_tokens: int) -> dict:
@@ -114,9 +116,10 @@ def memory(name: str, new_tokens: int) -> dict:
     small = dataclasses.replace(model, params=df.compress_params(
         model.params, transformer.declare(model.cfg)))
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # both from orbax: the same loading path
+        plain = jaxdec.save(model, pathlib.Path(tmp) / "bf16")
         path = jaxdec.save(small, pathlib.Path(tmp) / "df11")
-        for label, source in (("bf16", name), ("dfloat11", str(path))):
+        for label, source in (("bf16", str(plain)), ("dfloat11", str(path))):
             out = subprocess.run([sys.executable, __file__, "--child", source, "--new-tokens",
                                   str(new_tokens)], capture_output=True, text=True,
                                  env=dict(os.environ, JAXDEC_XLA_CACHE=""))
@@ -127,7 +130,8 @@ def memory(name: str, new_tokens: int) -> dict:
     print(f"{name}: decode step buffers (XLA) and RSS of a {new_tokens}-token generation")
     for label, r in results.items():
         print(f"  {label:<9} params {mib(r['args'])}  step temporaries {mib(r['temp'])}  "
-              f"RSS {mib(r['rss_before'])} -> peak {mib(r['rss_peak'])} "
+              f"RSS loaded {mib(r['rss_loaded'])}, after a warm-up generation "
+              f"{mib(r['rss_before'])} -> peak {mib(r['rss_peak'])} "
               f"(+{mib(r['rss_peak'] - r['rss_before'])})")
     return results
 
