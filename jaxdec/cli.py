@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--group", type=int, default=64, help="inputs per scale (must divide them)")
     q.add_argument("--calib", type=int, default=32, metavar="N",
                    help="calibration windows (half prose, half code; the corpora's calib "
-                        "split); DQ3_K_M weighs errors by the Fisher information on them "
-                        "(0: by relative error, data-free)")
+                        "split); DQ3_K_M measures each tensor's output KL on 4 of them "
+                        "(0: weighs tensors by relative error, data-free)")
     q.add_argument("--calib-window", type=int, default=256, help="tokens per calibration window")
     q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant's migration strength")
     q.add_argument("--act-order", action="store_true", help="GPTQ: inputs by decreasing Hessian diagonal")

@@ -233,19 +233,19 @@ def _quantize_gguf(args) -> int:
     if src.suffix != ".gguf":
         raise JaxdecError(f"k-quant recipes write GGUF from a GGUF source; {src} is not a .gguf file")
     recipe = args.method.upper()
-    importance = None
-    if recipe == "DQ3_K_M" and args.calib > 0:  # bits where the loss is most sensitive
+    measured = None
+    if recipe == "DQ3_K_M" and args.calib > 0:  # bits where the output suffers most
         from jaxdec.quant import calibrate
 
         model = jaxdec.load(str(src))
         encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
         calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
-        bar, progress = _layer_bar("Fisher information")
+        bar, progress = _layer_bar("output KL per tensor")
         with bar:
-            importance = kquants.fisher_importance(model.params, model.cfg, calib, progress=progress)
+            measured = kquants.kl_sensitivity(model.params, model.cfg, calib, progress=progress)
     bar, progress = _layer_bar(f"{recipe} sensitivity")
     with bar:
-        types = kquants.recipe_types(src, recipe, importance=importance, progress=progress)
+        types = kquants.recipe_types(src, recipe, measured=measured, progress=progress)
     bar, progress = _layer_bar(recipe)
     with bar:
         path = gguf_writer.write_gguf(src, args.out, types, file_type=recipe, progress=progress)

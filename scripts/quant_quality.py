@@ -6,8 +6,8 @@ real models, on the same text, beside the paper's claim.
     python scripts/quant_quality.py --models smollm2,qwen2.5-coder-0.5b --cached \
         --out docs/quantization.md        # the table of every cached row, into the doc
 
-Finished rows are cached per model in --cache (JSON) and reused by a rerun with the same
-settings.
+Finished rows are cached per model in --cache (JSON, kept in the repository beside the doc:
+the rows take hours on a small CPU) and reused by a rerun with the same settings.
 """
 
 import argparse
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     for field in ("windows", "window", "calib_windows", "calib_window", "n_prompts",
                   "new_tokens", "group_size"):
         p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(s, field))
-    p.add_argument("--cache", default="runs/quant_table/{model}.json",
+    p.add_argument("--cache", default="docs/quant_table/{model}.json",
                    help="cache file per model ({model} is filled in)")
     p.add_argument("--cached", action="store_true",
                    help="only print the table of every row cached for --models")

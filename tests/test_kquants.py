@@ -387,6 +387,21 @@ def test_dq3_on_smollm2_spends_at_most_q3_k_m_bits():
     importance[name] = np.zeros(header.tensors[name].shape[-1])
     deaf = kquants.recipe_types(src, "DQ3_K_M", max_values=4096, importance=importance)
     assert deaf[name] == kquants.fallback_type("Q3_K", header.tensors[name].shape[-1])
+    # measured KL: a tensor whose quantisation costs far more than any other's gets the
+    # most bits, one that costs nothing stays at its cheapest
+    free = [t.name for t in kquants.dq3_tensors(src)]
+    rng = np.random.default_rng()
+    measured = {n: float(rng.uniform(1e-4, 1e-3)) for n in free}
+    loud, quiet = "blk.7.ffn_down.weight", "blk.20.ffn_down.weight"
+    measured[loud], measured[quiet] = 10.0, 0.0
+    kl = kquants.recipe_types(src, "DQ3_K_M", max_values=4096, measured=measured)
+    assert kl[loud] == "Q8_0" and kl[quiet] == "Q3_K"
+    assert kquants.bits_per_weight_of(kl, sizes) <= kquants.bits_per_weight_of(q3, sizes)
+    assert_one_line_error(kquants.recipe_types, src, "DQ3_K_M", importance=importance,
+                          measured=measured, match="not both")
+    del measured[quiet]
+    assert_one_line_error(kquants.recipe_types, src, "DQ3_K_M", measured=measured,
+                          match="measured KL covers")
 
 # ---- whole files: llama.cpp's quantiser, llama.cpp running ours ---------------------------------
 

@@ -157,6 +157,37 @@ def test_fisher_covers_qwens_untied_embedding():
     np.testing.assert_allclose(imp["token_embd.weight"], fisher.embed, rtol=1e-5)
 
 
+def test_kl_sensitivity_is_hf_kl_with_that_tensor_quantised():
+    """DQ3_K_M's measured sensitivity against HF transformers: quantise one weight of the HF
+    model (its [out, in] rows, each through the cheapest DQ3 candidate for its row length:
+    Q4_0 for 576-wide rows, Q3_K for ffn_down's 1536) and take the float64 KL of its
+    next-token distribution from the unquantised model's, per token. attn_q covers the
+    head-split layout (and llama's row permutation, which a row-wise type does not see)."""
+    import torch
+
+    from jaxdec.quant import kquants
+
+    model, hf = jax_model("smollm2"), hf_model("smollm2")
+    tokens = calibrate.calibration_tokens(_encode(model), n_windows=2, window=48)
+    names = {"blk.2.attn_q.weight": hf.model.layers[2].self_attn.q_proj,
+             "blk.4.attn_output.weight": hf.model.layers[4].self_attn.o_proj,
+             "blk.6.ffn_down.weight": hf.model.layers[6].mlp.down_proj}
+    got = kquants.kl_sensitivity(model.params, model.cfg, tokens, windows=None, only=list(names))
+    assert set(got) == set(names)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    with torch.no_grad():
+        base = torch.log_softmax(hf(ids).logits.double(), -1)
+        for name, mod in names.items():
+            w = mod.weight.detach().clone()
+            q = kquants.dq3_candidates(w.shape[1])[0]
+            mod.weight.copy_(torch.from_numpy(kquants.round_trip(w.numpy(), q)))
+            logq = torch.log_softmax(hf(ids).logits.double(), -1)
+            mod.weight.copy_(w)
+            want = float((base.exp() * (base - logq)).sum(-1).mean())
+            assert want > 1e-5, name  # the quantisation is visible at the output
+            np.testing.assert_allclose(got[name], want, rtol=5e-2, err_msg=name)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b"])
 def test_channel_scale_folds_are_exact(name):
     """Folding 1/s into the norm, wv (GQA: one scale per kv channel) and w_up, with diag(s)

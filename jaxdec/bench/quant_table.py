@@ -19,7 +19,8 @@ Rows:
   (`kurtail.TABLE_ROWS`);
 - a k-quant recipe ("Q4_K_M", "Q3_K_M", "DQ3_K_M", "Q8_0", ...): the model's GGUF written by
   `gguf_writer.write_gguf` with `kquants.recipe_types` and read back (dequantised) by
-  `jaxdec.load`; DQ3_K_M's importance is the Fisher information on the calibration set.
+  `jaxdec.load`; DQ3_K_M's sensitivity is each tensor's measured output KL
+  (`kquants.kl_sensitivity`) on calibration windows.
 Rows are cached per model in a JSON file as they finish, so an interrupted run resumes.
 """
 
@@ -182,10 +183,10 @@ class Evaluator:
         """The model's GGUF under `recipe`, written and read back: (model, bits per weight of
         the blocks' matmul weights, {"file_bpw": the whole file's})."""
         src = registry.resolve(self.name)
-        importance = None
+        measured = None
         if recipe == "DQ3_K_M":
-            importance = kquants.fisher_importance(self.model.params, self.model.cfg, self.calib)
-        types = kquants.recipe_types(src, recipe, importance=importance)
+            measured = kquants.kl_sensitivity(self.model.params, self.model.cfg, self.calib)
+        types = kquants.recipe_types(src, recipe, measured=measured)
         tensors = read_gguf_header(src).tensors
         sizes = {n: int(math.prod(t.shape)) for n, t in tensors.items()}
         blocks = {n: q for n, q in types.items() if n.startswith("blk.") and len(tensors[n].shape) == 2}

@@ -215,3 +215,30 @@ def fisher_columns(params, cfg, tokens: np.ndarray, *, chunk: int = 8, progress=
         if progress is not None:
             progress(min(b + chunk, len(tokens)), len(tokens))
     return Fisher(layers=layers, embed=embed if params.embed is not None else None)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _log_probs(params, tokens, cfg):
+    """f32[B, T, V]: the model's next-token log-probabilities at every position of tokens."""
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return jax.nn.log_softmax(transformer.forward(params, tokens, pos, None, cfg)[0].astype(jnp.float32))
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _kl_sum(params, tokens, base, cfg):
+    """The sum over positions of KL(base || the model under params), in nats."""
+    return jnp.sum(jnp.exp(base) * (base - _log_probs(params, tokens, cfg)))
+
+
+def output_kl(params, cfg, tokens: np.ndarray, *, chunk: int = 2) -> Callable[[object], float]:
+    """A function of changed params (same shapes as `params`) -> the mean KL divergence per
+    token of its next-token distribution from `params`' own on `tokens` [R, T] (the measured
+    damage of a change, such as quantising one tensor). The reference log-probabilities are
+    computed once, `chunk` rows per call; every call after that reuses one compiled program."""
+    tokens = np.asarray(tokens, np.int32)
+    parts = [(tokens[b:b + chunk], _log_probs(params, tokens[b:b + chunk], cfg))
+             for b in range(0, len(tokens), chunk)]
+
+    def kl(changed) -> float:
+        return max(0.0, float(sum(_kl_sum(changed, t, base, cfg) for t, base in parts)) / tokens.size)
+    return kl

@@ -414,6 +414,7 @@ FILE_TYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K": 16, "Q4_K": 14, "Q3_K": 11, "Q2_K":
               "Q4_K_M": 15, "Q3_K_M": 12, "DQ3_K_M": 12}
 DQ3_CANDIDATES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 # a row length that does not fit a 256-block type falls back to a 32-block type (llama.cpp)
+KL_WINDOWS = 4  # calibration windows on which `kl_sensitivity` measures each tensor
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _NEVER = ("_norm.weight", "ffn_gate_inp.weight", "position_embd.weight", "token_types.weight",
           "ssm_conv1d", "altup", "laurel", "per_layer_model_proj", "attn_rel_b.weight")
@@ -554,10 +555,16 @@ def tensor_sensitivity(w: np.ndarray, qtypes: Sequence[str], importance: np.ndar
     norm = float(np.square(sample, dtype=np.float64).sum(axis=0) @ col)
     out = {}
     for q in qtypes:
-        back = dequantize_blocks(quantize_blocks(sample, q), q).reshape(sample.shape)
+        back = round_trip(sample, q)
         err = float(np.square(back - sample, dtype=np.float64).sum(axis=0) @ col)
         out[q] = err * scale if scale is not None else (err / norm if norm > 0 else 0.0)
     return out
+
+
+def round_trip(rows: np.ndarray, qtype) -> np.ndarray:
+    """f32[rows, n_per_row] quantised to qtype and dequantised (what a GGUF reader sees)."""
+    rows = np.asarray(rows, F32)
+    return dequantize_blocks(quantize_blocks(rows, qtype), qtype).reshape(rows.shape)
 
 
 def _sample_rows(n_rows: int, n_per_row: int, max_values: int) -> np.ndarray:
@@ -571,7 +578,8 @@ def _sample_rows(n_rows: int, n_per_row: int, max_values: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 def recipe_types(src: str | pathlib.Path, recipe: str, *,
-                 importance: Mapping[str, np.ndarray] | None = None, max_values: int = 1 << 16,
+                 importance: Mapping[str, np.ndarray] | None = None,
+                 measured: Mapping[str, float] | None = None, max_values: int = 1 << 16,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, str]:
     """{tensor name: type} for every tensor of the GGUF file `src` under `recipe` (one of
     RECIPES). DQ3_K_M keeps Q3_K_M's output / tied-embedding type and measures, for every
@@ -580,7 +588,10 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
     as the budget. Without `importance` the sensitivity is each tensor's relative error
     (data-free); with it (f32[n_per_row] for every such tensor, e.g. `fisher_importance`),
     the importance-weighted squared error of the whole tensor, which compares tensors by
-    their effect on the loss.
+    their effect on the loss. With `measured` ({name: the output KL with that tensor alone at
+    its cheapest candidate}, `kl_sensitivity`), a tensor's sensitivity at type q is that
+    measured KL scaled by its relative error at q over its relative error at the cheapest
+    (the KL of small independent perturbations grows with their energy).
     progress(done, total) follows the measured tensors."""
     from jaxdec.checkpoint.gguf_reader import read_gguf_header
 
@@ -598,9 +609,13 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
     base = llama_types(tensors, "Q3_K_M", n_layer=n_layer, is_70b=is_70b)
     free = dq3_tensors(src)
     sizes = {t.name: int(np.prod(t.shape)) for t in free}
-    missing = [t.name for t in free if importance is not None and t.name not in importance]
+    if importance is not None and measured is not None:
+        raise JaxdecError("DQ3_K_M takes column importance or measured KL, not both")
+    given = importance if importance is not None else measured
+    missing = [t.name for t in free if given is not None and t.name not in given]
     if missing:
-        raise JaxdecError(f"importance covers {len(free) - len(missing)} of the {len(free)} "
+        raise JaxdecError(f"{'importance' if importance is not None else 'measured KL'} covers "
+                          f"{len(free) - len(missing)} of the {len(free)} "
                           f"tensors DQ3_K_M allocates (missing {missing[0]}, ...)")
     sens = {}
     for done, t in enumerate(free):
@@ -609,6 +624,10 @@ def recipe_types(src: str | pathlib.Path, recipe: str, *,
         w = read_tensor_f32(header.path, t, _sample_rows(n_rows, t.shape[-1], max_values))
         if importance is None:  # data-free: relative error
             sens[t.name] = tensor_sensitivity(w, qtypes, max_values=max_values)
+            if measured is not None:  # the measured KL at the cheapest, scaled by error
+                rel = sens[t.name]
+                sens[t.name] = {q: measured[t.name] * (rel[q] / rel[qtypes[0]] if rel[qtypes[0]] > 0 else 0.0)
+                                for q in qtypes}
         else:  # the importance-weighted error of the whole tensor
             sens[t.name] = tensor_sensitivity(w, qtypes, importance[t.name], max_values=max_values,
                                               scale=n_rows / len(w))
@@ -661,4 +680,65 @@ def fisher_importance(params, cfg, tokens: np.ndarray, *, progress=None) -> dict
            for i, layer in enumerate(fisher.layers) for path, f in layer.items() if path in _GGUF_NAMES}
     if fisher.embed is not None:  # an untied token_embd [vocab, D]: its rows' inputs are D
         out["token_embd.weight"] = fisher.embed.astype(np.float32)
+    return out
+
+
+def kl_sensitivity(params, cfg, tokens: np.ndarray, *, windows: int | None = KL_WINDOWS,
+                   only: Sequence[str] | None = None, progress=None) -> dict[str, float]:
+    """{GGUF tensor name: the mean KL divergence per token (nats) of the model's next-token
+    distribution on `windows` evenly spaced rows of calibration `tokens` [R, T] (all rows
+    when None; one forward pass over them per tensor) when that tensor alone is quantised to its
+    cheapest DQ3_K_M candidate} for every tensor DQ3_K_M allocates: each tensor's measured
+    effect on the model's output, for `recipe_types(measured=...)`. A weight's GGUF rows are
+    its output features, each a row of its inputs (row order, which llama.cpp permutes for
+    attn_q/attn_k, does not change a row's blocks). `only`: just these GGUF names.
+    progress(done, total) follows the tensors."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdec.models import transformer
+    from jaxdec.pytree import is_spec
+    from jaxdec.quant import calibrate
+
+    if any(not isinstance(w, (np.ndarray, jax.Array)) for w in jax.tree.leaves(params)):
+        raise JaxdecError("kl_sensitivity measures a float model (load it without quantisation)")
+    tokens = np.asarray(tokens)
+    if windows is not None and windows < len(tokens):
+        tokens = tokens[np.linspace(0, len(tokens) - 1, windows).round().astype(np.int64)]
+    kl = calibrate.output_kl(params, cfg, tokens)
+    decl = transformer.declare(cfg)
+
+    def cheapest(w, n_in: int):
+        k = int(np.prod(w.shape[:n_in]))
+        rows = np.asarray(w, F32).reshape(k, -1).T
+        back = round_trip(rows, dq3_candidates(k)[0]).T.reshape(w.shape)
+        return jnp.asarray(back, w.dtype)
+
+    keep = lambda name: only is None or name in only
+    jobs = [(i, path) for i, d in enumerate(decl.layers)
+            for path in calibrate.matmul_names(d)
+            if path in _GGUF_NAMES and keep(f"blk.{i}.{_GGUF_NAMES[path]}.weight")]
+    tied = params.embed is None or not keep("token_embd.weight")
+    total = len(jobs) + (not tied)
+    out = {}
+    for done, (i, path) in enumerate(jobs):
+        def swap(kp, spec, w):
+            if jax.tree_util.keystr(kp) == path:
+                return cheapest(w, spec.n_in)
+            return w
+        layer = jax.tree_util.tree_map_with_path(swap, decl.layers[i], params.layers[i],
+                                                 is_leaf=lambda x: x is None or is_spec(x))
+        layers = tuple(params.layers)
+        changed = dataclasses.replace(params, layers=layers[:i] + (layer,) + layers[i + 1:])
+        out[f"blk.{i}.{_GGUF_NAMES[path]}.weight"] = kl(changed)
+        if progress is not None:
+            progress(done + 1, total)
+    if not tied:  # an untied token_embd [vocab, D]: GGUF rows are its vocabulary entries
+        e = params.embed
+        back = round_trip(np.asarray(e, F32), dq3_candidates(e.shape[-1])[0])
+        out["token_embd.weight"] = kl(dataclasses.replace(params, embed=jnp.asarray(back, e.dtype)))
+        if progress is not None:
+            progress(total, total)
     return out
