@@ -11,12 +11,15 @@ then the same for Gaussian weights of the same shapes and standard deviations (t
 layer by layer, as the model decodes it (`decompress_many` per layer, the head alone),
 compiled first. `--memory` adds a decode step's XLA buffer sizes (arguments + temporaries),
 the RSS once loaded and the peak RSS of a `generate` run, bf16 against DFloat11, each read
-from an orbax checkpoint in a fresh process.
+from an orbax checkpoint in a fresh process; then the bytes of every array jax holds (the
+weights: no decoded copy survives a step) and the RSS once glibc returns the heap the
+compilers freed (`malloc_trim`), so compiled programs and weights remain.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -107,8 +110,12 @@ def _child(source: str, new_tokens: int) -> None:
     pathlib.Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
     before = rss("VmRSS:")
     jaxdec.generate(model, prompt, max_new_tokens=new_tokens)
+    peak = rss("VmHWM:")
+    live = sum(a.nbytes for a in jax.live_arrays())  # every array jax holds: the weights
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the compilers freed but glibc kept
     print(json.dumps({"args": mem.argument_size_in_bytes, "temp": mem.temp_size_in_bytes,
-                      "rss_loaded": loaded, "rss_before": before, "rss_peak": rss("VmHWM:")}))
+                      "rss_loaded": loaded, "rss_before": before, "rss_peak": peak,
+                      "live_arrays": live, "rss_trimmed": rss("VmRSS:")}))
 
 
 def memory(name: str, new_tokens: int) -> dict:
@@ -132,7 +139,8 @@ def memory(name: str, new_tokens: int) -> dict:
         print(f"  {label:<9} params {mib(r['args'])}  step temporaries {mib(r['temp'])}  "
               f"RSS loaded {mib(r['rss_loaded'])}, after a warm-up generation "
               f"{mib(r['rss_before'])} -> peak {mib(r['rss_peak'])} "
-              f"(+{mib(r['rss_peak'] - r['rss_before'])})")
+              f"(+{mib(r['rss_peak'] - r['rss_before'])}); live arrays {mib(r['live_arrays'])}, "
+              f"RSS after malloc_trim {mib(r['rss_trimmed'])}")
     return results
 
 
