@@ -181,7 +181,8 @@ class Evaluator:
 
     def _kquant(self, recipe: str):
         """The model's GGUF under `recipe`, written and read back: (model, bits per weight of
-        the blocks' matmul weights, {"file_bpw": the whole file's})."""
+        the blocks' matmul weights, {"file_bpw": the whole file's}, and for DQ3_K_M "kl":
+        each tensor's measured output KL and "types": the type it got)."""
         src = registry.resolve(self.name)
         measured = None
         if recipe == "DQ3_K_M":
@@ -194,8 +195,10 @@ class Evaluator:
             path = gguf_writer.write_gguf(src, pathlib.Path(d) / f"{recipe}.gguf", types,
                                           file_type=recipe)
             model = jaxdec.load(path)
-        return (model, kquants.bits_per_weight_of(blocks, sizes),
-                {"file_bpw": kquants.bits_per_weight_of(types, sizes)})
+        extra = {"file_bpw": kquants.bits_per_weight_of(types, sizes)}
+        if measured is not None:  # what the allocation saw, and what it chose
+            extra |= {"kl": measured, "types": {n: types[n] for n in measured}}
+        return model, kquants.bits_per_weight_of(blocks, sizes), extra
 
 
 def cache_path(pattern: str, model: str) -> pathlib.Path:

@@ -29,6 +29,7 @@ from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import ParamSpec, is_spec
 from jaxdec.quant import tap
+from jaxdec.train import losses
 
 CALIB_CORPORA = ("prose", "code")
 
@@ -174,9 +175,8 @@ def _fisher_sums(params, tokens, cfg, decl):
     pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
 
     def loss(p, row):
-        logits = transformer.forward(p, row[None], pos, None, cfg)[0][:, :-1].astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.take_along_axis(logp, row[None, 1:, None], axis=-1).mean()
+        logits = transformer.forward(p, row[None], pos, None, cfg)[0][:, :-1]
+        return losses.cross_entropy(logits, row[None, 1:], jnp.ones(logits.shape[:2]))
 
     def one(total, row):
         terms = _fisher_terms(jax.grad(loss)(params, row), decl, cfg.d_model)
@@ -218,25 +218,25 @@ def fisher_columns(params, cfg, tokens: np.ndarray, *, chunk: int = 8, progress=
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _log_probs(params, tokens, cfg):
-    """f32[B, T, V]: the model's next-token log-probabilities at every position of tokens."""
+def _logits(params, tokens, cfg):
+    """f32[B, T, V]: the model's next-token logits at every position of tokens [B, T]."""
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return jax.nn.log_softmax(transformer.forward(params, tokens, pos, None, cfg)[0].astype(jnp.float32))
+    return transformer.forward(params, tokens, pos, None, cfg)[0].astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _kl_sum(params, tokens, base, cfg):
-    """The sum over positions of KL(base || the model under params), in nats."""
-    return jnp.sum(jnp.exp(base) * (base - _log_probs(params, tokens, cfg)))
+    """The sum over positions of KL(softmax(base) || the model under params), in nats."""
+    return jnp.sum(losses.kl(base, _logits(params, tokens, cfg)))
 
 
 def output_kl(params, cfg, tokens: np.ndarray, *, chunk: int = 2) -> Callable[[object], float]:
     """A function of changed params (same shapes as `params`) -> the mean KL divergence per
     token of its next-token distribution from `params`' own on `tokens` [R, T] (the measured
-    damage of a change, such as quantising one tensor). The reference log-probabilities are
-    computed once, `chunk` rows per call; every call after that reuses one compiled program."""
+    damage of a change, such as quantising one tensor). The reference logits are computed
+    once, `chunk` rows per call; every call after that reuses one compiled program."""
     tokens = np.asarray(tokens, np.int32)
-    parts = [(tokens[b:b + chunk], _log_probs(params, tokens[b:b + chunk], cfg))
+    parts = [(tokens[b:b + chunk], _logits(params, tokens[b:b + chunk], cfg))
              for b in range(0, len(tokens), chunk)]
 
     def kl(changed) -> float:
