@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "cross-vocabulary drafting), or layers:N (the target's first N layers)")
     g.add_argument("--draft-k", type=int, default=None,
                    help="draft tokens per round (tree depth for tree drafters)")
+    g.add_argument("--draft-tree", default=None, metavar="D,K,B",
+                   help="a trained EAGLE-3 drafter drafts EAGLE-2 trees: depth, top-k per "
+                        "level, total draft tokens (greedy decoding; 'chain': no tree)")
     g.add_argument("--draft-method", default="tli", choices=["tli", "slem"],
                    help="cross-vocabulary drafting: token-level intersection or string-level "
                         "exact match")
@@ -168,6 +171,9 @@ def _distill_parser(sub) -> None:
     d.add_argument("--n-new", type=int, default=64, help="target tokens generated per prompt")
     d.add_argument("--gen-batch", type=int, default=8, help="rows per generation batch")
     d.add_argument("--temperature", type=float, default=0.0, help="of the data; 0: greedy")
+    d.add_argument("--windows", type=int, default=0, help="also this many teacher-forced "
+                   "windows of training-document text (scored, not generated)")
+    d.add_argument("--window-len", type=int, default=128, help="tokens per --windows row")
     d.add_argument("--cache-dir", default=None, help="distillation data (default data/distill)")
     d.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     o = d.add_argument_group("drafter options (each applies to some kinds)")

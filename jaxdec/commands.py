@@ -80,7 +80,7 @@ def _drafter(args, model):
         raise JaxdecError(f"--draft-k must be positive (got {args.draft_k})")
     from jaxdec.spec import drafters
     return drafters.load(args.draft, model, k=args.draft_k, method=args.draft_method,
-                         weights=args.draft_weights)
+                         weights=args.draft_weights, tree=args.draft_tree)
 
 
 def _spec_line(res) -> str:
@@ -379,6 +379,7 @@ def distill(args) -> int:
     result = train.distill(model, args.drafter, args.out, cfg, n_prompts=args.n_prompts,
                            n_new=args.n_new, prompt_len=args.prompt_len,
                            gen_batch=args.gen_batch, temperature=args.temperature,
+                           windows=args.windows, window_len=args.window_len,
                            cache_dir=args.cache_dir, opts=opts, command=" ".join(sys.argv),
                            resume=not args.no_resume, stop_after=args.stop_after)
     last = result.history[-1] if result.history else {}

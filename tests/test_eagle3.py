@@ -19,8 +19,9 @@ from jaxdec import api, decode, layers, pytree, sampling
 from jaxdec.cache import dense
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
-from jaxdec.spec import core, eagle3
+from jaxdec.spec import core, drafters, eagle3
 from jaxdec.spec.tree import TreeSpec
+from conftest import assert_one_line_error
 from tests import tiny_hf
 
 TAPS = (0, 1, 2)
@@ -373,12 +374,16 @@ def test_a_few_adam_steps_lower_the_loss(trained):
     assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
 
 
-@pytest.mark.parametrize("tree", [None, TreeSpec(depth=3, top_k=2, budget=6)], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [None, "3,2,6"], ids=["chain", "tree"])
 def test_greedy_speculation_is_lossless(tiny, trained, tree):
     """core.generate with the drafter emits exactly plain greedy decoding's tokens, on
-    ragged prompts: two it was trained on (drafts get accepted), two new ones."""
+    ragged prompts: two it was trained on (drafts get accepted), two new ones. The tree
+    drafter is made as `--draft-tree 3,2,6` makes it."""
     task, params, _, seen = trained
-    drafter = dataclasses.replace(task.drafter(params), tree=tree)
+    drafter = task.drafter(params)
+    if tree is not None:
+        drafter = drafters.with_tree(drafter, tree)
+        assert drafter.tree == TreeSpec(depth=3, top_k=2, budget=6) and drafter.k == 3
     rng = np.random.default_rng()
     b, new = 4, 20
     lens = np.concatenate([[seen.shape[1]] * 2, rng.integers(3, 11, 2)])
@@ -394,6 +399,17 @@ def test_greedy_speculation_is_lossless(tiny, trained, tree):
                            prompts, lens, jax.random.key(0), limits, drafter=drafter, **run)
     np.testing.assert_array_equal(np.asarray(got.tokens[:, :new]), np.asarray(want.tokens))
     assert int(jnp.sum(got.accepted[1:])) > 0, np.asarray(got.accepted)
+
+
+def test_draft_tree_option_errors(tiny, trained):
+    task, params, _, _ = trained
+    chain = drafters.with_tree(drafters.with_tree(task.drafter(params), "3,2,6"), "chain")
+    assert chain.tree is None
+    for bad, match in (("3,2", "DEPTH,TOP_K,BUDGET"), ("3,x,6", "not an integer"),
+                       ("2,2,9", "fewer than 9 candidate")):
+        assert_one_line_error(drafters.with_tree, task.drafter(params), bad, match=match)
+    small = drafters.load("layers:1", tiny)
+    assert_one_line_error(drafters.with_tree, small, "3,2,6", match="drafts chains only")
 
 
 def test_from_meta_rebuilds_the_drafter(tiny, trained):

@@ -4,6 +4,7 @@ transformers, drafter checkpoints, and a killed training run that resumes exactl
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import subprocess
@@ -117,6 +118,21 @@ def test_prompt_splits_are_disjoint_document_prefixes():
     assert_one_line_error(data.prompt_set, tok, split="test", match="unknown prompt split")
 
 
+def test_windows_are_consecutive_cuts_of_training_documents_only():
+    tok = byte_tokenizer()
+    rows = data.window_rows(tok, window=50)
+    assert all(len(r) == 50 for r in rows)
+    code_docs = data.documents("code")
+    joint = "\n\n\n".join(d for i, d in enumerate(code_docs) if i % 10 != 9).encode()
+    code_rows = rows[1::2][: len(joint) // 50 - 1]  # interleaved: prose, code, prose, ...
+    assert bytes(tok.decode([t for r in code_rows for t in r]), "utf-8").startswith(joint[:500])
+    text = tok.decode([t for r in rows for t in r])
+    held = [d for i, d in enumerate(code_docs) if i % 10 == 9 and len(d) > 400]
+    assert held and not any(d in text for d in held[:20])  # held-out documents never appear
+    assert rows[:7] == data.window_rows(tok, window=50, n=7)
+    assert_one_line_error(data.window_rows, tok, window=50, n=10**7, match="training documents")
+
+
 def test_batches_depend_on_seed_and_step_only():
     n, b = 23, 4
     epoch = np.concatenate([data.batch_rows(n, b, 7, s) for s in range(n // b)])
@@ -170,6 +186,33 @@ def test_dataset_is_the_targets_greedy_continuation_and_features(tiny, tmp_path,
     with pytest.raises(pytest.fail.Exception, match="regenerated"):  # other continuations
         data.make_dataset(model, prompts, n_new=n_new - 1, taps=(), batch=2, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 1  # no temporary file left behind
+
+
+def test_scored_rows_and_concat(tiny, tmp_path):
+    """n_new=0 scores the rows as given (HF's hidden states; every token after the first is
+    to be predicted); concat pads narrower rows with mask 0."""
+    hf, model = tiny
+    rng = np.random.default_rng()
+    rows = [list(rng.integers(0, VOCAB, n)) for n in (12, 7, 12)]
+    ds = data.make_dataset(model, rows, n_new=0, taps=(1,), batch=2, cache_dir=tmp_path)
+    assert ds.tokens.shape == (3, 12)
+    for i, r in enumerate(rows):
+        np.testing.assert_array_equal(ds.tokens[i, : len(r)], r)
+        np.testing.assert_array_equal(ds.mask[i], (np.arange(12) >= 1) & (np.arange(12) < len(r)))
+        with torch.no_grad():
+            hs = hf(torch.tensor(np.asarray(r, np.int64)[None]), output_hidden_states=True).hidden_states
+        np.testing.assert_allclose(ds.final[i, : len(r)].astype(np.float32), hs[-1][0].numpy(),
+                                   rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(ds.taps[i, : len(r), 0].astype(np.float32), hs[1][0].numpy(),
+                                   rtol=2e-2, atol=2e-2)
+    short = data.make_dataset(model, [r[:5] for r in rows[:2]], n_new=0, taps=(1,), batch=2,
+                              cache_dir=tmp_path)
+    both = data.concat([ds, short])
+    assert both.tokens.shape == (5, 12) and both.tap_layers == (1,)
+    np.testing.assert_array_equal(both.mask[3:, 5:], 0)
+    np.testing.assert_array_equal(both.final[3:, :5].view(np.uint16), short.final.view(np.uint16))
+    other = data.make_dataset(model, rows, n_new=0, taps=(0,), batch=2, cache_dir=tmp_path)
+    assert_one_line_error(data.concat, [ds, other], match="different targets or taps")
 
 
 # ---------------------------------------------------------------------------- small task
@@ -256,14 +299,15 @@ def distill_cli(target, out, cache, *extra):
             "--drafter", "small", "--out", str(out), "--cache-dir", str(cache), "--steps", "8",
             "--batch", "4", "--lr", "1e-2", "--n-prompts", "12", "--prompt-len", "8",
             "--n-new", "8", "--gen-batch", "12", "--layers", "1", "--log-every", "1",
-            "--ckpt-every", "3", *extra]
+            "--ckpt-every", "3", "--windows", "6", "--window-len", "16", *extra]
     env = dict(os.environ, JAXDEC_XLA_CACHE=str(cache / "xla"))
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_killed_run_resumes_with_identical_losses(tiny_checkpoint, tmp_path):
     """Stopped hard after step 6's checkpoint, with a step logged past it and a torn log
-    line, the resumed run logs exactly the losses of an uninterrupted one."""
+    line, the resumed run logs exactly the losses of an uninterrupted one. The data: 12
+    prompts' continuations and 6 teacher-forced windows."""
     cache = tmp_path / "cache"
     r = distill_cli(tiny_checkpoint, tmp_path / "a", cache, "--stop-after", "5")
     assert r.returncode == 0 and not (tmp_path / "a" / "drafter").exists(), r.stderr
@@ -279,3 +323,5 @@ def test_killed_run_resumes_with_identical_losses(tiny_checkpoint, tmp_path):
     np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in straight],
                                rtol=1e-6, atol=0)
     assert (tmp_path / "a" / "drafter" / "drafter.json").is_file()
+    parts = json.loads((tmp_path / "a" / loop.RUN_FILE).read_text())["data"]["parts"]
+    assert [(m["n_prompts"], m["n_new"]) for m in parts] == [(12, 8), (6, 0)]

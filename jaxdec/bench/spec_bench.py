@@ -66,30 +66,37 @@ def _merge(specs):
             "accept_by_position": [float(hist[i:].sum() / max(rounds, 1)) for i in range(1, len(hist))]}
 
 
-def forward_ms(model, width: int, context: int = 96, repeats: int = 15) -> float:
+def forward_ms(model, width: int, context: int = 96, steps: int = 16, repeats: int = 3) -> float:
     """Milliseconds of one target forward over `width` new tokens after `context` cached ones
-    (a plain decode step is width 1; a verification is the draft's width): the median of
-    `repeats` calls timed one by one (a mean let one slow call move the ceiling by 40%)."""
+    (a plain decode step is width 1; a verification is the draft's width), as the decode
+    loops run it: `steps` forwards chained in one jitted loop (each reads the tokens the
+    last one chose and writes the cache), the median of `repeats` loops over `steps`
+    (a forward dispatched and timed alone also pays the call's own overheads)."""
     cfg = model.cfg
 
     @partial(jax.jit, donate_argnums=1)
-    def step(params, cache, toks):
-        pos = cache.lengths[:, None] + jnp.arange(toks.shape[1])[None]
-        logits, out = transformer.forward(params, toks, pos, cache, cfg)
-        return jnp.argmax(logits[:, -1], -1), dense.KVCache(out.layers, cache.lengths)
+    def loop(params, cache, toks):
+        pos = cache.lengths[:, None] + jnp.arange(width)[None]
+
+        def body(_, carry):
+            toks, cache = carry
+            logits, out = transformer.forward(params, toks, pos, cache, cfg)
+            return jnp.argmax(logits, -1).astype(toks.dtype), dense.KVCache(out.layers, cache.lengths)
+
+        return jax.lax.fori_loop(0, steps, body, (toks, cache))
 
     cache = dense.init_cache(cfg, 1, context + width + 64, model.dtype)
     cache = dense.KVCache(cache.layers, jnp.full((1,), context, jnp.int32))
     toks = jnp.ones((1, width), jnp.int32)
-    out, cache = step(model.params, cache, toks)
-    out.block_until_ready()
+    toks, cache = loop(model.params, cache, toks)
+    toks.block_until_ready()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out, cache = step(model.params, cache, toks)
-        out.block_until_ready()
+        toks, cache = loop(model.params, cache, toks)
+        toks.block_until_ready()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
+    return float(np.median(times)) * 1e3 / steps
 
 
 def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
@@ -102,8 +109,10 @@ def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
     for src in drafter_srcs:
         # "smollm2@slem+int4": a cross-vocabulary method, the drafter's weight format
         src_w, _, weights = src.partition("+")
-        name, _, meth = src_w.partition("@")
-        drafter = drafters.load(name, model, k=k, method=meth or method, weights=weights or None)
+        name, _, meth = src_w.partition("@")  # "@tree=D,K,B": a tree-drafting checkpoint
+        tree = meth[len("tree="):] if meth.startswith("tree=") else None
+        drafter = drafters.load(name, model, k=k, method=method if tree or not meth else meth,
+                                weights=weights or None, tree=tree)
         sec, n, ids, spec = _run(model, prompts, n_new, drafter, chat)
         rows.append(Row(src, sec, n, identical=ids == base_ids, spec=spec))
         if not isinstance(drafter, drafters.CrossVocab):

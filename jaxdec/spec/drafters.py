@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxdec.errors import JaxdecError
+from jaxdec.spec.tree import TreeSpec
 from jaxdec.spec import core, small_model
 
 DEFAULT_K = 4
@@ -34,17 +35,22 @@ class CrossVocab:
 
 
 def load(src: str, target, *, k: int | None = None, method: str = "tli",
-         weights: str | None = None):
+         weights: str | None = None, tree: str | None = None):
     """A drafter for `target` from a drafter checkpoint directory, "layers:N", or a model
     (a registry name, a .gguf file, a HF dir or a jaxdec checkpoint) whose matmul weights
-    are loaded as `weights` (`jaxdec.load`'s: "int8", "int4", ... a cheaper drafter)."""
+    are loaded as `weights` (`jaxdec.load`'s: "int8", "int4", ... a cheaper drafter).
+    `tree` "DEPTH,TOP_K,BUDGET" makes a checkpoint's drafter draft EAGLE-2 trees
+    (`jaxdec.spec.tree.TreeSpec`; "chain" makes a tree drafter draft chains)."""
     import jaxdec
 
     path = pathlib.Path(src)
     if (path / "drafter.json").exists():
         from jaxdec.spec import store
         drafter = store.load_drafter(path, target)
+        drafter = drafter if tree is None else with_tree(drafter, tree, src)
         return drafter if k is None else with_k(drafter, k)
+    if tree is not None:
+        raise JaxdecError(f"{src}: only a trained tree-capable drafter (EAGLE-3) drafts trees")
     if src.startswith("layers:"):
         n = _int(src.split(":", 1)[1], "layers:N")
         cfg, params = small_model.truncated(target.cfg, target.params, n)
@@ -62,6 +68,20 @@ def _int(text: str, what: str) -> int:
         return int(text)
     except ValueError:
         raise JaxdecError(f"{what}: {text!r} is not an integer") from None
+
+
+def with_tree(drafter, text: str, src: str = "the drafter"):
+    """`drafter` drafting the tree "DEPTH,TOP_K,BUDGET" (or chains: "chain")."""
+    if text == "chain":
+        return dataclasses.replace(drafter, tree=None)
+    if not hasattr(drafter, "draft_tree"):
+        raise JaxdecError(f"{src}: a {type(drafter).__name__} drafter drafts chains only")
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise JaxdecError(f"a draft tree is DEPTH,TOP_K,BUDGET (got {text!r})")
+    depth, top_k, budget = (_int(x, "draft tree") for x in parts)
+    spec = TreeSpec(depth=depth, top_k=top_k, budget=budget)
+    return dataclasses.replace(drafter, k=depth, tree=spec)
 
 
 def with_k(drafter, k: int):

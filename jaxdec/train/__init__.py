@@ -23,7 +23,8 @@ import inspect
 import pathlib
 
 from jaxdec.errors import JaxdecError
-from jaxdec.train.data import Dataset, heldout_prompts, make_dataset, prompt_set
+from jaxdec.train.data import (Dataset, concat, heldout_prompts, make_dataset, prompt_set,
+                               window_rows)
 from jaxdec.train.loop import TrainConfig, TrainResult, make_train_step, train
 
 TASKS = {
@@ -69,15 +70,22 @@ def make_task(kind: str, target_model, dataset: Dataset, **opts):
 
 def distill(target_model, kind: str, out_dir, cfg: TrainConfig, *, n_prompts: int = 256,
             n_new: int = 64, prompt_len: int = 32, gen_batch: int = 8, temperature: float = 0.0,
-            cache_dir=None, opts: dict | None = None, command: str = "", resume: bool = True,
-            stop_after: int | None = None) -> TrainResult:
-    """Make (or load) the data of `n_prompts` training prompts, build drafter `kind`'s task
-    with `opts`, and train it into `out_dir` (resuming a run found there)."""
-    prompts = prompt_set(target_model.tokenizer, split="train", prompt_len=prompt_len,
-                         n=n_prompts)
-    dataset = make_dataset(target_model, prompts, n_new=n_new, taps=task_taps(kind, target_model.cfg),
-                           batch=gen_batch, temperature=temperature, seed=cfg.seed,
-                           cache_dir=cache_dir)
+            windows: int = 0, window_len: int = 128, cache_dir=None, opts: dict | None = None,
+            command: str = "", resume: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Make (or load) the data of `n_prompts` training prompts (and, with `windows`, that
+    many teacher-forced windows of `window_len` training-document tokens: see
+    `jaxdec.train.data`), build drafter `kind`'s task with `opts`, and train it into
+    `out_dir` (resuming a run found there)."""
+    tok, taps = target_model.tokenizer, task_taps(kind, target_model.cfg)
+    prompts = prompt_set(tok, split="train", prompt_len=prompt_len, n=n_prompts)
+    parts = [make_dataset(target_model, prompts, n_new=n_new, taps=taps, batch=gen_batch,
+                          temperature=temperature, seed=cfg.seed, cache_dir=cache_dir)]
+    if windows:
+        rows = window_rows(tok, window=window_len, n=windows)
+        parts.append(make_dataset(target_model, rows, n_new=0, taps=taps, batch=gen_batch,
+                                  seed=cfg.seed, cache_dir=cache_dir))
+    dataset = concat(parts)
+    del parts  # the joined copy is what trains
     task = make_task(kind, target_model, dataset, **(opts or {}))
     return train(task, target_model, dataset, cfg, pathlib.Path(out_dir), resume=resume,
                  command=command, stop_after=stop_after)

@@ -16,6 +16,14 @@ residual stream entering each tapped layer ("taps"), both bfloat16. `mask` is 1 
 generated tokens (a stop token included, nothing after it). Datasets are cached as .npz
 files keyed by everything that defines them, so a second run loads instead of generating;
 a request for fewer taps is cut from a cached file of the same continuations.
+
+With `n_new=0` nothing is generated: the rows are scored as they are (teacher forcing) and
+every token after a row's first is to be predicted. `window_rows` cuts such rows from the
+training documents, so the same target distributions come from far more text than the
+prompts' continuations, at the cost of one causal pass each (no decode loop):
+
+    windows = window_rows(model.tokenizer, window=128, n=4096)
+    data = concat([data, make_dataset(model, windows, n_new=0, taps=(2, 15, 27), batch=8)])
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 
 SPLITS = ("train", "heldout")
+_CODE_JOIN = "\n\n\n"  # code documents are a module's top-level blocks, split here
 FORMAT = "jaxdec-distill-1"
 _BF16 = np.dtype(jnp.bfloat16)
 
@@ -55,7 +64,7 @@ def documents(corpus: str) -> tuple[str, ...]:
     (the text between two blank lines, where PEP 8 puts them), in file order."""
     docs = corpora.corpus_documents(corpus)
     if corpus == "code":
-        docs = tuple(piece for d in docs for piece in d.split("\n\n\n") if piece.strip())
+        docs = tuple(piece for d in docs for piece in d.split(_CODE_JOIN) if piece.strip())
     return docs
 
 
@@ -98,6 +107,27 @@ def _interleave(lists: list[list]) -> list[list]:
     return [[x[i] for x in lists if i < len(x)] for i in range(longest)]
 
 
+def window_rows(tokenizer, *, window: int = 128, n: int | None = None,
+                corpus_names: tuple[str, ...] = corpora.CORPORA) -> list[list[int]]:
+    """Consecutive, non-overlapping rows of `window` tokens of each corpus's training
+    documents joined as they were split (held-out documents are never in them), corpora
+    interleaved; the first `n`."""
+    if window < 2:
+        raise JaxdecError(f"a window needs at least 2 tokens (got {window})")
+    per_corpus = []
+    for name in corpus_names:
+        docs = [d for i, d in enumerate(documents(name)) if i % 10 != 9]
+        joint = (_CODE_JOIN if name == "code" else corpora.SEPARATOR).join(docs)
+        ids = np.asarray(tokenizer.encode(joint), np.int32)
+        whole = len(ids) // window
+        per_corpus.append([list(map(int, r)) for r in ids[: whole * window].reshape(whole, window)])
+    mixed = [row for group in _interleave(per_corpus) for row in group]
+    if n is not None and n > len(mixed):
+        raise JaxdecError(f"asked for {n} windows of {window} tokens; the training documents "
+                          f"have {len(mixed)}")
+    return mixed[:n]
+
+
 def heldout_prompts(tokenizer, n: int, *, prompt_len: int = 32) -> list[list[int]]:
     """`n` held-out prompt rows (never trained on): for evaluating drafters."""
     return prompt_set(tokenizer, split="heldout", prompt_len=prompt_len, n=n)
@@ -132,6 +162,26 @@ class Dataset:
         return self.rows(batch_rows(len(self), batch_size, seed, step))
 
 
+def concat(parts: list[Dataset]) -> Dataset:
+    """One dataset of the rows of `parts` (same target and taps), narrower rows padded
+    (mask 0) to the widest."""
+    if not parts:
+        raise JaxdecError("concat needs at least one dataset")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0].meta
+    for p in parts[1:]:
+        if (p.meta["target"], p.meta["weights"], p.tap_layers) != (
+                first["target"], first["weights"], parts[0].tap_layers):
+            raise JaxdecError("datasets of different targets or taps cannot be joined")
+    width = max(p.tokens.shape[1] for p in parts)
+    pad = lambda x: np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    meta = {"format": FORMAT, "target": first["target"], "weights": first["weights"],
+            "taps": list(parts[0].tap_layers), "parts": [p.meta for p in parts]}
+    return Dataset(**{f: np.concatenate([pad(getattr(p, f)) for p in parts])
+                      for f in ("tokens", "mask", "taps", "final")}, meta=meta)
+
+
 def batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
     """i64[batch_size]: the rows of batch `step`: epochs are permutations drawn from
     `default_rng((seed, epoch))`, cut into whole batches (a ragged tail is skipped), so the
@@ -149,7 +199,8 @@ def make_dataset(model, prompts, *, n_new: int, taps: tuple[int, ...] = (), batc
                  temperature: float = 0.0, seed: int = 0,
                  cache_dir: str | pathlib.Path | None = None) -> Dataset:
     """The target `model`'s continuations of `prompts` (token rows) of `n_new` tokens, made
-    `batch` rows at a time, and their taps; loaded from `cache_dir` when made before."""
+    `batch` rows at a time, and their taps; loaded from `cache_dir` when made before.
+    `n_new=0`: the rows themselves, scored (teacher forcing; see the module docstring)."""
     _check_request(model.cfg, prompts, n_new, taps, batch)
     meta = _meta(model, prompts, n_new=n_new, taps=tuple(taps), batch=batch,
                  temperature=temperature, seed=seed)
@@ -167,8 +218,8 @@ def make_dataset(model, prompts, *, n_new: int, taps: tuple[int, ...] = (), batc
 def _check_request(cfg, prompts, n_new: int, taps, batch: int) -> None:
     if not prompts or min(len(p) for p in prompts) == 0:
         raise JaxdecError("make_dataset needs at least one non-empty prompt")
-    if n_new < 1 or batch < 1:
-        raise JaxdecError(f"n_new and batch must be positive (got {n_new}, {batch})")
+    if n_new < 0 or batch < 1:
+        raise JaxdecError(f"n_new must be >= 0 and batch positive (got {n_new}, {batch})")
     if any(not 0 <= t < cfg.n_layers for t in taps):
         raise JaxdecError(f"taps {tuple(taps)} name layers outside 0..{cfg.n_layers - 1}")
     if max(len(p) for p in prompts) + n_new > cfg.max_position:
@@ -207,15 +258,25 @@ def _generate(model, prompts, meta: dict) -> Dataset:
     with idle rows, so every batch runs the same compiled programs)."""
     from tqdm import tqdm
 
+    from jaxdec.api import pad_rows
+
     b, taps = meta["batch"], tuple(meta["taps"])
     width = max(len(p) for p in prompts)
     parts = []
     starts = range(0, len(prompts), b)
-    for j, start in enumerate(tqdm(starts, desc="generating distillation data", unit="batch",
+    what = "generating" if meta["n_new"] else "scoring"
+    for j, start in enumerate(tqdm(starts, desc=f"{what} distillation data", unit="batch",
                                    file=sys.stderr, disable=None)):
         chunk = list(prompts[start: start + b])
         k = len(chunk)
-        tokens, positions, mask = _continue(model, chunk + [chunk[0]] * (b - k), k, width, meta, j)
+        rows = chunk + [chunk[0]] * (b - k)
+        if meta["n_new"]:
+            tokens, positions, mask = _continue(model, rows, k, width, meta, j)
+        else:  # teacher forcing: every token after the row's first is predicted
+            tokens, lens = pad_rows(rows, width=width)
+            t = np.arange(width)[None]
+            positions = np.where(t < lens[:, None], t, -1).astype(np.int32)
+            mask = ((t >= 1) & (t < lens[:, None])).astype(np.float32)
         tapped, final = _score(model.params, tokens, positions, cfg=model.cfg, taps=taps)
         parts.append((tokens[:k], mask[:k], np.asarray(tapped)[:k], np.asarray(final)[:k]))
     tokens, mask, tapped, final = (np.concatenate(x) for x in zip(*parts))
