@@ -101,3 +101,25 @@ def test_kernel_bytes_table():
     ratio = {line.split()[1]: float(line.split()[-1]) for line in r.stdout.splitlines()
              if line.startswith("quantized_kv_attention")}
     assert 0.5 < ratio["int8"] < 0.55 and 0.3 < ratio["int4"] < 0.32, ratio
+
+
+def test_bench_spec_smoke(tmp_path):
+    """scripts/bench_spec.py on a tiny saved target (byte tokenizer) drafted by its own
+    first layer: a row per drafter, identical tokens, the loop-timed verify forward."""
+    from jaxdec import api
+    from tiny_hf import build, byte_tokenizer
+
+    _, cfg, params = build("llama", seed=3)
+    target = tmp_path / "tiny"
+    api.save(api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny"), target)
+    out = tmp_path / "spec.json"
+    r = subprocess.run([sys.executable, "scripts/bench_spec.py", "--target", str(target),
+                        "--drafters", "layers:1", "--k", "3", "--n-prompts", "2",
+                        "--new-tokens", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    plain, spec = report["rows"]
+    assert plain["name"] == "plain decode" and spec["identical"] is True
+    assert spec["verify_ms"] > 0 and report["plain_step_ms"] > 0 and spec["spec"]["rounds"] > 0
+    assert "layers:1" in r.stdout and "acceptance by position" in r.stdout

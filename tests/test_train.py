@@ -23,7 +23,7 @@ from conftest import assert_one_line_error
 from jaxdec import api, corpora
 from jaxdec.spec import store
 from jaxdec.train import data, loop, losses, small
-from tiny_hf import VOCAB, build
+from tiny_hf import VOCAB, build, byte_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -91,20 +91,6 @@ def tiny():
     return hf, api.Model(cfg=cfg, params=params, tokenizer=None, source="tiny-llama-5")
 
 
-def byte_tokenizer():
-    """A byte-level BPE without merges: every text encodes, ids < 256 <= the tiny vocab."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    from jaxdec.checkpoint.tokenizer import Tokenizer
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    backend = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return Tokenizer(backend=backend)
-
-
 def test_prompt_splits_are_disjoint_document_prefixes():
     tok = byte_tokenizer()
     train = data.prompt_set(tok, split="train", prompt_len=20, n=60)
@@ -131,6 +117,7 @@ def test_windows_are_consecutive_cuts_of_training_documents_only():
     assert held and not any(d in text for d in held[:20])  # held-out documents never appear
     assert rows[:7] == data.window_rows(tok, window=50, n=7)
     assert_one_line_error(data.window_rows, tok, window=50, n=10**7, match="training documents")
+    assert_one_line_error(data.window_rows, tok, window=50, n=-3, match="positive count")
 
 
 def test_batches_depend_on_seed_and_step_only():

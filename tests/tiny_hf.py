@@ -55,3 +55,17 @@ def rel_err(a, b) -> float:
     """Relative error under the Frobenius norm over the whole logits tensor."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def byte_tokenizer():
+    """A byte-level BPE without merges: every text encodes, ids < 256 <= the tiny vocab."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxdec.checkpoint.tokenizer import Tokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend=backend)

@@ -112,8 +112,9 @@ def window_rows(tokenizer, *, window: int = 128, n: int | None = None,
     """Consecutive, non-overlapping rows of `window` tokens of each corpus's training
     documents joined as they were split (held-out documents are never in them), corpora
     interleaved; the first `n`."""
-    if window < 2:
-        raise JaxdecError(f"a window needs at least 2 tokens (got {window})")
+    if window < 2 or (n is not None and n < 1):
+        raise JaxdecError(f"windows need at least 2 tokens each and a positive count (got "
+                          f"{n} of {window})")
     per_corpus = []
     for name in corpus_names:
         docs = [d for i, d in enumerate(documents(name)) if i % 10 != 9]
