@@ -5,7 +5,7 @@
     python scripts/bench_spec.py --target qwen2.5-coder-0.5b --prompts code \
         --drafters smollm2@tli,smollm2@slem,smollm2@tli+int4
 
-Each drafter is a trained drafter checkpoint (`DIR@tree=D,K,B`: an EAGLE-3 checkpoint
+Each drafter is a trained drafter checkpoint (`DIR@tree=DxKxB`: an EAGLE-3 checkpoint
 drafting EAGLE-2 trees of depth D, top-k K and B draft tokens), a model (another vocabulary: `@tli` or
 `@slem`; `+int8`/`+int4`/`+gguf`: its weights quantised, a cheaper drafter), or layers:N. Prints mean accepted length, tokens/s, speed-up over plain decoding,
 whether the tokens are identical (they must be), ms per round against the verification

@@ -109,7 +109,7 @@ def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
     for src in drafter_srcs:
         # "smollm2@slem+int4": a cross-vocabulary method, the drafter's weight format
         src_w, _, weights = src.partition("+")
-        name, _, meth = src_w.partition("@")  # "@tree=D,K,B": a tree-drafting checkpoint
+        name, _, meth = src_w.partition("@")  # "@tree=DxKxB": a tree-drafting checkpoint
         tree = meth[len("tree="):] if meth.startswith("tree=") else None
         drafter = drafters.load(name, model, k=k, method=method if tree or not meth else meth,
                                 weights=weights or None, tree=tree)

@@ -71,12 +71,12 @@ def _int(text: str, what: str) -> int:
 
 
 def with_tree(drafter, text: str, src: str = "the drafter"):
-    """`drafter` drafting the tree "DEPTH,TOP_K,BUDGET" (or chains: "chain")."""
+    """`drafter` drafting the tree "DEPTH,TOP_K,BUDGET" or "DxKxB" (or chains: "chain")."""
     if text == "chain":
         return dataclasses.replace(drafter, tree=None)
     if not hasattr(drafter, "draft_tree"):
         raise JaxdecError(f"{src}: a {type(drafter).__name__} drafter drafts chains only")
-    parts = text.split(",")
+    parts = text.replace("x", ",").split(",")  # "4,4,12" or "4x4x12" (in a list of sources)
     if len(parts) != 3:
         raise JaxdecError(f"a draft tree is DEPTH,TOP_K,BUDGET (got {text!r})")
     depth, top_k, budget = (_int(x, "draft tree") for x in parts)
