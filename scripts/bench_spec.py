@@ -38,12 +38,14 @@ def main(argv=None) -> int:
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=None, help="override the drafters' draft length")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the target's (and plain decoding's) dtype")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     try:
         prompts, chat = prompt_set(args.prompts, args.n_prompts, args.target)
         report = spec_bench.run(args.target, args.drafters.split(","), prompts, args.new_tokens,
-                                k=args.k, chat=chat, label=args.prompts)
+                                k=args.k, dtype=args.dtype, chat=chat, label=args.prompts)
     except JaxdecError as e:
         print(f"bench_spec: error: {e}", file=sys.stderr)
         return 2
