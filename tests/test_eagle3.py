@@ -405,8 +405,9 @@ def test_draft_tree_option_errors(tiny, trained):
     task, params, _, _ = trained
     chain = drafters.with_tree(drafters.with_tree(task.drafter(params), "3,2,6"), "chain")
     assert chain.tree is None
-    for bad, match in (("3,2", "DEPTH,TOP_K,BUDGET"), ("3x2", "DEPTH,TOP_K,BUDGET"), ("3,x,6", "not an integer"),
-                       ("2,2,9", "fewer than 9 candidate")):
+    assert drafters.with_tree(task.drafter(params), "3x2x6").tree == TreeSpec(depth=3, top_k=2, budget=6)
+    for bad, match in (("3,2", "DEPTH,TOP_K,BUDGET"), ("3x2", "DEPTH,TOP_K,BUDGET"),
+                       ("3,y,6", "not an integer"), ("2,2,9", "fewer than 9 candidate")):
         assert_one_line_error(drafters.with_tree, task.drafter(params), bad, match=match)
     small = drafters.load("layers:1", tiny)
     assert_one_line_error(drafters.with_tree, small, "3,2,6", match="drafts chains only")
