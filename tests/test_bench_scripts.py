@@ -106,12 +106,9 @@ def test_kernel_bytes_table():
 def test_bench_spec_smoke(tmp_path):
     """scripts/bench_spec.py on a tiny saved target (byte tokenizer) drafted by its own
     first layer: a row per drafter, identical tokens, the loop-timed verify forward."""
-    from jaxdec import api
-    from tiny_hf import build, byte_tokenizer
+    from tiny_hf import save_tiny_checkpoint
 
-    _, cfg, params = build("llama", seed=3)
-    target = tmp_path / "tiny"
-    api.save(api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny"), target)
+    target = save_tiny_checkpoint(tmp_path / "tiny", seed=3)
     out = tmp_path / "spec.json"
     r = subprocess.run([sys.executable, "scripts/bench_spec.py", "--target", str(target),
                         "--drafters", "layers:1", "--k", "3", "--n-prompts", "2",
@@ -123,3 +120,18 @@ def test_bench_spec_smoke(tmp_path):
     assert plain["name"] == "plain decode" and spec["identical"] is True
     assert spec["verify_ms"] > 0 and report["plain_step_ms"] > 0 and spec["spec"]["rounds"] > 0
     assert "layers:1" in r.stdout and "acceptance by position" in r.stdout
+
+
+def test_draft_vocab_coverage_smoke(tmp_path):
+    """scripts/draft_vocab_coverage.py on a tiny saved target: shares grow with the draft
+    vocabulary and the whole vocabulary covers everything."""
+    from tiny_hf import VOCAB, save_tiny_checkpoint
+
+    target = save_tiny_checkpoint(tmp_path / "tiny", seed=4)
+    r = subprocess.run([sys.executable, "scripts/draft_vocab_coverage.py", "--target", str(target),
+                        "--n-prompts", "8", "--n-new", "6", "--gen-batch", "8", "--windows", "4",
+                        "--heldout", "6", "--vocab", f"4,40,{VOCAB}", "--cache-dir",
+                        str(tmp_path / "data")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shares = [float(line.split()[1].rstrip("%")) for line in r.stdout.splitlines()[2:]]
+    assert len(shares) == 3 and shares == sorted(shares) and shares[-1] == 100.0, r.stdout

@@ -23,7 +23,7 @@ from conftest import assert_one_line_error
 from jaxdec import api, corpora
 from jaxdec.spec import store
 from jaxdec.train import data, loop, losses, small
-from tiny_hf import VOCAB, build, byte_tokenizer
+from tiny_hf import VOCAB, build, byte_tokenizer, save_tiny_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -105,17 +105,21 @@ def test_prompt_splits_are_disjoint_document_prefixes():
 
 
 def test_windows_are_consecutive_cuts_of_training_documents_only():
+    """Windows are the training documents' text, joined as they were split, cut into rows
+    of 50 tokens (corpora interleaved); no held-out document appears in them."""
     tok = byte_tokenizer()
     rows = data.window_rows(tok, window=50)
-    assert all(len(r) == 50 for r in rows)
-    code_docs = data.documents("code")
-    joint = "\n\n\n".join(d for i, d in enumerate(code_docs) if i % 10 != 9).encode()
-    code_rows = rows[1::2][: len(joint) // 50 - 1]  # interleaved: prose, code, prose, ...
-    assert bytes(tok.decode([t for r in code_rows for t in r]), "utf-8").startswith(joint[:500])
+    train_docs = lambda name: [d for i, d in enumerate(data.documents(name)) if i % 10 != 9]
+    cut = lambda ids: [ids[i: i + 50] for i in range(0, len(ids) - 49, 50)]
+    prose = cut(tok.encode(corpora.SEPARATOR.join(train_docs("prose"))))
+    code = cut(tok.encode("\n\n\n".join(train_docs("code"))))
+    m = min(len(prose), len(code))
+    assert len(rows) == len(prose) + len(code)
+    assert rows[: 2 * m: 2] == prose[:m] and rows[1: 2 * m: 2] == code[:m]
+    assert data.window_rows(tok, window=50, n=5) == [prose[0], code[0], prose[1], code[1], prose[2]]
     text = tok.decode([t for r in rows for t in r])
-    held = [d for i, d in enumerate(code_docs) if i % 10 == 9 and len(d) > 400]
+    held = [d for i, d in enumerate(data.documents("code")) if i % 10 == 9 and len(d) > 400]
     assert held and not any(d in text for d in held[:20])  # held-out documents never appear
-    assert rows[:7] == data.window_rows(tok, window=50, n=7)
     assert_one_line_error(data.window_rows, tok, window=50, n=10**7, match="training documents")
     assert_one_line_error(data.window_rows, tok, window=50, n=-3, match="positive count")
 
@@ -274,10 +278,7 @@ def test_training_lowers_the_loss_and_saves_the_drafter(tiny, tiny_data, tmp_pat
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """The tiny Llama saved as a jaxdec checkpoint with a byte tokenizer (for the CLI)."""
-    _, cfg, params = build("llama", seed=6)
-    path = tmp_path_factory.mktemp("target") / "tiny"
-    api.save(api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny"), path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("target") / "tiny", seed=6)
 
 
 def distill_cli(target, out, cache, *extra):

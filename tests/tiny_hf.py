@@ -69,3 +69,13 @@ def byte_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return Tokenizer(backend=backend)
+
+
+def save_tiny_checkpoint(path, seed: int = 6):
+    """The tiny Llama saved at `path` as a jaxdec checkpoint with `byte_tokenizer` (a target
+    for the CLI and the scripts); returns `path`."""
+    from jaxdec import api
+
+    _, cfg, params = build("llama", seed=seed)
+    api.save(api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny"), path)
+    return path

@@ -76,15 +76,20 @@ def prompt_set(tokenizer, *, split: str = "train", prompt_len: int = 32, n: int 
         raise JaxdecError(f"unknown prompt split {split!r} (known: {', '.join(SPLITS)})")
     if prompt_len < 1:
         raise JaxdecError(f"prompt_len must be positive (got {prompt_len})")
-    held = split == "heldout"
-    per_corpus = []
-    for name in corpus_names:
-        docs = [d for i, d in enumerate(documents(name)) if (i % 10 == 9) == held]
-        per_corpus.append(_prefixes(tokenizer, docs, prompt_len, n))
+    return _from_documents(corpus_names, split == "heldout", n, f"{split} prompts of "
+                           f"{prompt_len} tokens", lambda name, docs: _prefixes(
+                               tokenizer, docs, prompt_len, n))
+
+
+def _from_documents(corpus_names, held: bool, n: int | None, what: str, rows_of) -> list:
+    """`rows_of(corpus name, its documents of the split)` for each corpus, interleaved; the
+    first `n` (a one-line error if there are fewer). Document `i` is held out when
+    `i % 10 == 9`."""
+    per_corpus = [rows_of(name, [d for i, d in enumerate(documents(name)) if (i % 10 == 9) == held])
+                  for name in corpus_names]
     mixed = [row for group in _interleave(per_corpus) for row in group]
     if n is not None and n > len(mixed):
-        raise JaxdecError(f"asked for {n} {split} prompts of {prompt_len} tokens; the corpora "
-                          f"have {len(mixed)}")
+        raise JaxdecError(f"asked for {n} {what}; the corpora have {len(mixed)}")
     return mixed[:n]
 
 
@@ -115,18 +120,15 @@ def window_rows(tokenizer, *, window: int = 128, n: int | None = None,
     if window < 2 or (n is not None and n < 1):
         raise JaxdecError(f"windows need at least 2 tokens each and a positive count (got "
                           f"{n} of {window})")
-    per_corpus = []
-    for name in corpus_names:
-        docs = [d for i, d in enumerate(documents(name)) if i % 10 != 9]
-        joint = (_CODE_JOIN if name == "code" else corpora.SEPARATOR).join(docs)
-        ids = np.asarray(tokenizer.encode(joint), np.int32)
+
+    def rows_of(name, docs):
+        ids = np.asarray(tokenizer.encode((_CODE_JOIN if name == "code" else corpora.SEPARATOR)
+                                          .join(docs)), np.int32)
         whole = len(ids) // window
-        per_corpus.append([list(map(int, r)) for r in ids[: whole * window].reshape(whole, window)])
-    mixed = [row for group in _interleave(per_corpus) for row in group]
-    if n is not None and n > len(mixed):
-        raise JaxdecError(f"asked for {n} windows of {window} tokens; the training documents "
-                          f"have {len(mixed)}")
-    return mixed[:n]
+        return [list(map(int, r)) for r in ids[: whole * window].reshape(whole, window)]
+
+    return _from_documents(corpus_names, False, n, f"windows of {window} tokens of the "
+                           "training documents", rows_of)
 
 
 def heldout_prompts(tokenizer, n: int, *, prompt_len: int = 32) -> list[list[int]]:
@@ -273,11 +275,10 @@ def _generate(model, prompts, meta: dict) -> Dataset:
         rows = chunk + [chunk[0]] * (b - k)
         if meta["n_new"]:
             tokens, positions, mask = _continue(model, rows, k, width, meta, j)
-        else:  # teacher forcing: every token after the row's first is predicted
+        else:  # teacher forcing: the row's first token is the prompt, the rest "generated"
             tokens, lens = pad_rows(rows, width=width)
-            t = np.arange(width)[None]
-            positions = np.where(t < lens[:, None], t, -1).astype(np.int32)
-            mask = ((t >= 1) & (t < lens[:, None])).astype(np.float32)
+            tokens, positions, mask = _assemble(tokens[:, :1], np.minimum(lens, 1),
+                                                tokens[:, 1:], lens - 1)
         tapped, final = _score(model.params, tokens, positions, cfg=model.cfg, taps=taps)
         parts.append((tokens[:k], mask[:k], np.asarray(tapped)[:k], np.asarray(final)[:k]))
     tokens, mask, tapped, final = (np.concatenate(x) for x in zip(*parts))
