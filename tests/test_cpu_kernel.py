@@ -81,12 +81,27 @@ SHAPES = [(96, 100), (576, 77), (896, 130), (64, 16), (32, 1)]
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("offset", [False, True])
-@pytest.mark.parametrize("M", [1, 3, 8, 64])
+@pytest.mark.parametrize("M", [1, 3, 5, 7, 8, 64])
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_matches_reference(K, N, M, offset, bits):
     x, q, s, o = make(M, K, N, bits, offset=offset)
     f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits))
     check(f(x, q, s, o), x, q, s, o, bits, 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rows_do_not_depend_on_the_blocking(bits, offset):
+    """Up to 8 rows share register blocks of up to 6 (int4: 4) rows, split into balanced
+    blocks (7 rows: 4 + 3). A row's sums must not depend on which block it lands in: the
+    first m rows of an 8-row product are bit for bit the m-row product, for every m. (A
+    speculative verification computes the draft's rows together; plain decoding, one.)"""
+    x, q, s, o = make(8, 576, 700, bits, offset=offset, seed=5)
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits))
+    full = np.asarray(f(x, q, s, o))
+    check(full, x, q, s, o, bits, 32)
+    for m in range(1, 8):
+        np.testing.assert_array_equal(np.asarray(f(x[:m], q, s, o)), full[:m], err_msg=f"{m} rows")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -302,7 +317,7 @@ def dense_kernel_any_m(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
-@pytest.mark.parametrize("M", [1, 3, 8, 64])
+@pytest.mark.parametrize("M", [1, 3, 5, 6, 7, 8, 64])
 @pytest.mark.parametrize("K,N", DENSE_SHAPES)
 def test_dense_matches_reference(K, N, M, dtype, dense_kernel_any_m):
     x, w = make_dense(M, K, N, dtype)

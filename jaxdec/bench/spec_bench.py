@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdec
+from jaxdec import decode
 from jaxdec.cache import dense
 from jaxdec.models import transformer
 from jaxdec.spec import core, drafters
@@ -74,7 +75,9 @@ def forward_ms(model, width: int, context: int = 96, steps: int = 16, repeats: i
     (a forward dispatched and timed alone also pays the call's own overheads)."""
     cfg = model.cfg
 
-    @partial(jax.jit, donate_argnums=1)
+    # The decode loops' compiler options: without them XLA:CPU copies every cache layer on
+    # every forward (see `decode.COMPILER_OPTIONS`), which the loops never pay.
+    @partial(jax.jit, donate_argnums=1, compiler_options=decode.COMPILER_OPTIONS)
     def loop(params, cache, toks):
         pos = cache.lengths[:, None] + jnp.arange(width)[None]
 

@@ -13,7 +13,7 @@
 // The AVX-512 path widens the codes to f32 (int8: vpmovsxbd + vcvtdq2ps; int4: vpmovzxbd and a
 // 16-entry vpermps table per nibble; bf16: a shift or a mask of each 32-bit lane, exact, see
 // load32_bf16) and FMAs them against broadcast x.  M <= 8: per-group register accumulators for
-// an M-block of up to 4 rows x 64 columns, scale/offset applied at the end of each group.
+// an M-block of up to 6 rows (int4: 4) x 64 columns, scale/offset applied at the end of each group.
 // M > 8: each group's 64-column chunk is widened once into an L1 panel and consumed by blocks of
 // 6 rows.  No quantisation of x: the only error is f32 rounding.  A portable scalar path is used
 // when the CPU lacks AVX-512 (chosen at run time; the AVX-512 functions carry target attributes,
@@ -408,19 +408,26 @@ QMM_TARGET void tile_avx512(const Job& J, int64_t m0, int64_t mblocks, int64_t c
 
 using TileFn = void (*)(const Job&, int64_t, int64_t, int64_t, int64_t, __mmask16, int64_t);
 
-constexpr int kMaxMB = 4;
+constexpr int kMaxMB = 6;
 constexpr int kMaxNV = 4;
 
+// The largest M-block of a format: 6 rows x 4 vectors is 24 accumulators, + 4 widened W
+// vectors + a broadcast x = 29 of the 32 zmm registers.  int4 widens two W rows per load (8
+// vectors), so its blocks stop at 4.  One block covers M <= 6, so a short verification chunk
+// (a speculative draft of 5) reads each W chunk once, not once per block.
+inline int max_mb(Fmt f) { return f == kInt4 ? 4 : kMaxMB; }
+
 // Instantiated: 64-column chunks (NV=4) and single vectors (NV=1, the band remainders), the
-// latter also with a masked tail; MB = 1..4.
+// latter also with a masked tail; MB = 1..6.
 template <Fmt F, bool OFF>
 struct TileTable {
-  static constexpr TileFn wide[kMaxMB] = {tile_avx512<1, 4, F, OFF, false>, tile_avx512<2, 4, F, OFF, false>,
-                                          tile_avx512<3, 4, F, OFF, false>, tile_avx512<4, 4, F, OFF, false>};
-  static constexpr TileFn one[kMaxMB] = {tile_avx512<1, 1, F, OFF, false>, tile_avx512<2, 1, F, OFF, false>,
-                                         tile_avx512<3, 1, F, OFF, false>, tile_avx512<4, 1, F, OFF, false>};
-  static constexpr TileFn tail[kMaxMB] = {tile_avx512<1, 1, F, OFF, true>, tile_avx512<2, 1, F, OFF, true>,
-                                          tile_avx512<3, 1, F, OFF, true>, tile_avx512<4, 1, F, OFF, true>};
+#define QMM_ROW(NV, TAIL)                                                                       \
+  {tile_avx512<1, NV, F, OFF, TAIL>, tile_avx512<2, NV, F, OFF, TAIL>, tile_avx512<3, NV, F, OFF, TAIL>, \
+   tile_avx512<4, NV, F, OFF, TAIL>, tile_avx512<5, NV, F, OFF, TAIL>, tile_avx512<6, NV, F, OFF, TAIL>}
+  static constexpr TileFn wide[kMaxMB] = QMM_ROW(4, false);
+  static constexpr TileFn one[kMaxMB] = QMM_ROW(1, false);
+  static constexpr TileFn tail[kMaxMB] = QMM_ROW(1, true);
+#undef QMM_ROW
 };
 
 // kind: 0 wide (NV=4), 1 one vector, 2 one masked vector.  The dense formats have no offset.
@@ -628,18 +635,20 @@ void avx512_group_band(const Job& J, int64_t gi, int64_t ub, int64_t ue) {
   const bool off = J.off != nullptr;
   const int64_t rem = J.N % 16;
   const __mmask16 tmask = rem ? static_cast<__mmask16>((1u << rem) - 1u) : static_cast<__mmask16>(0xffff);
-  // M-blocks: as many full blocks of kMaxMB as fit, then one smaller block.
-  const int64_t mfull = J.M / kMaxMB, mlast = J.M % kMaxMB;
+  // M-blocks: as few as the format's largest block allows, of balanced sizes (13 rows: 5, 4,
+  // 4), so no block is a lone row (one row's 4 accumulator chains wait on FMA latency).
+  // Each row's sums do not depend on its block: y is the same for any blocking.
+  const int64_t nb = (J.M + max_mb(J.fmt) - 1) / max_mb(J.fmt), base = J.M / nb, extra = J.M % nb;
   const bool has_tail = rem != 0 && ue == J.units;
   // 64-column chunks, then single vectors, the very last one masked when N % 16 != 0.
   const int64_t nvec = ue - ub - (has_tail ? 1 : 0);
   const int64_t nwide = nvec / kMaxNV, nsingle = nvec % kMaxNV;
   const int64_t c_single = (ub + nwide * kMaxNV) * 16, c_tail = (ue - 1) * 16;
-  for (int pass = 0; pass < 2; ++pass) {
-    const int64_t mblocks = pass == 0 ? mfull : (mlast ? 1 : 0);
-    const int mb = pass == 0 ? kMaxMB : static_cast<int>(mlast);
+  for (int pass = 0; pass < 2; ++pass) {  // `extra` blocks of base + 1 rows, then base rows
+    const int64_t mblocks = pass == 0 ? extra : nb - extra;
+    const int mb = static_cast<int>(pass == 0 ? base + 1 : base);
     if (mblocks == 0) continue;
-    const int64_t m0 = pass == 0 ? 0 : mfull * kMaxMB;
+    const int64_t m0 = pass == 0 ? 0 : extra * (base + 1);
     if (nwide > 0) lookup_tile(J.fmt, off, 0, mb)(J, m0, mblocks, ub * 16, nwide, tmask, gi);
     if (nsingle > 0) lookup_tile(J.fmt, off, 1, mb)(J, m0, mblocks, c_single, nsingle, tmask, gi);
     if (has_tail) lookup_tile(J.fmt, off, 2, mb)(J, m0, mblocks, c_tail, 1, tmask, gi);
