@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross-vocabulary drafting: token-level intersection or string-level "
                         "exact match")
     g.add_argument("--draft-weights", default=None, choices=["f32", "bf16", "int8", "int4", "gguf"],
-                   help="a model drafter's weight format (quantised: a cheaper drafter)")
+                   help="the drafter's weight format (quantised: a cheaper drafter); a trained "
+                        "EAGLE-3 drafter takes int8 or int4")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _model_flags(c)

@@ -19,6 +19,7 @@ from jaxdec import api, decode, layers, pytree, sampling
 from jaxdec.cache import dense
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
+from jaxdec.quant.qarray import QArray
 from jaxdec.spec import core, drafters, eagle3
 from jaxdec.spec.tree import TreeSpec
 from conftest import assert_one_line_error
@@ -374,13 +375,20 @@ def test_a_few_adam_steps_lower_the_loss(trained):
     assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
 
 
-@pytest.mark.parametrize("tree", [None, "3,2,6"], ids=["chain", "tree"])
-def test_greedy_speculation_is_lossless(tiny, trained, tree):
+@pytest.mark.parametrize("tree,weights", [(None, None), ("3,2,6", None), (None, "int8")],
+                         ids=["chain", "tree", "chain-int8"])
+def test_greedy_speculation_is_lossless(tiny, trained, tree, weights):
     """core.generate with the drafter emits exactly plain greedy decoding's tokens, on
     ragged prompts: two it was trained on (drafts get accepted), two new ones. The tree
-    drafter is made as `--draft-tree 3,2,6` makes it."""
+    drafter is made as `--draft-tree 3,2,6` makes it, the int8 one as `--draft-weights
+    int8` does."""
     task, params, _, seen = trained
     drafter = task.drafter(params)
+    if weights is not None:
+        drafter = drafters.with_weights(drafter, weights)
+        quantised = [w for w in jax.tree.leaves(drafter.params.net, is_leaf=lambda x: isinstance(x, QArray))
+                     if isinstance(w, QArray)]
+        assert len(quantised) >= 7 and all(w.bits == 8 for w in quantised), quantised
     if tree is not None:
         drafter = drafters.with_tree(drafter, tree)
         assert drafter.tree == TreeSpec(depth=3, top_k=2, budget=6) and drafter.k == 3
@@ -401,7 +409,7 @@ def test_greedy_speculation_is_lossless(tiny, trained, tree):
     assert int(jnp.sum(got.accepted[1:])) > 0, np.asarray(got.accepted)
 
 
-def test_draft_tree_option_errors(tiny, trained):
+def test_draft_tree_and_weights_option_errors(tiny, trained):
     task, params, _, _ = trained
     chain = drafters.with_tree(drafters.with_tree(task.drafter(params), "3,2,6"), "chain")
     assert chain.tree is None
@@ -411,6 +419,8 @@ def test_draft_tree_option_errors(tiny, trained):
         assert_one_line_error(drafters.with_tree, task.drafter(params), bad, match=match)
     small = drafters.load("layers:1", tiny)
     assert_one_line_error(drafters.with_tree, small, "3,2,6", match="drafts chains only")
+    assert_one_line_error(drafters.with_weights, task.drafter(params), "bf16", match="int8 or int4")
+    assert_one_line_error(drafters.with_weights, small, "int8", match="only an EAGLE-3")
 
 
 def test_from_meta_rebuilds_the_drafter(tiny, trained):

@@ -37,19 +37,31 @@ class Row:
         return self.tokens / self.seconds
 
 
-def _run(model, prompts, n_new, drafter=None, chat=False):
-    """(seconds, tokens, ids, merged stats) over prompts one at a time (batch 1), after a
-    warm-up generation that compiles."""
+def _generator(model, prompts, n_new, drafter=None, chat=False):
+    """One prompt -> its output (batch 1), compiled by a warm-up generation."""
     if isinstance(prompts[0], str):
         gen = partial(jaxdec.generate, model, max_new_tokens=n_new, drafter=drafter, chat=chat)
     else:  # token rows (corpus prompts)
         gen = partial(jaxdec.api.generate_ids, model, max_new_tokens=n_new, drafter=drafter)
     gen([prompts[0]])
-    t0 = time.perf_counter()
-    outs = [gen([p]) for p in prompts]
-    seconds = time.perf_counter() - t0
-    ids = [o.token_ids[0] for o in outs]
-    return seconds, sum(map(len, ids)), ids, _merge([o.spec for o in outs])
+    return lambda p: gen([p])
+
+
+def _run_interleaved(gens, prompts):
+    """[(seconds, tokens, ids, merged stats)] per generator. Every generator decodes a prompt
+    before the next prompt starts, so a slow spell of this shared machine (its speed drifts
+    by 20% and more over minutes) falls on all of them alike, not on one row."""
+    seconds, outs = [0.0] * len(gens), [[] for _ in gens]
+    for p in prompts:
+        for i, gen in enumerate(gens):
+            t0 = time.perf_counter()
+            outs[i].append(gen(p))
+            seconds[i] += time.perf_counter() - t0
+    results = []
+    for sec, out in zip(seconds, outs):
+        ids = [o.token_ids[0] for o in out]
+        results.append((sec, sum(map(len, ids)), ids, _merge([o.spec for o in out])))
+    return results
 
 
 def _merge(specs):
@@ -67,12 +79,12 @@ def _merge(specs):
             "accept_by_position": [float(hist[i:].sum() / max(rounds, 1)) for i in range(1, len(hist))]}
 
 
-def forward_ms(model, width: int, context: int = 96, steps: int = 16, repeats: int = 3) -> float:
-    """Milliseconds of one target forward over `width` new tokens after `context` cached ones
-    (a plain decode step is width 1; a verification is the draft's width), as the decode
-    loops run it: `steps` forwards chained in one jitted loop (each reads the tokens the
-    last one chose and writes the cache), the median of `repeats` loops over `steps`
-    (a forward dispatched and timed alone also pays the call's own overheads)."""
+def forward_timer(model, width: int, context: int = 96, steps: int = 16):
+    """A function timing one target forward over `width` new tokens after `context` cached
+    ones, in milliseconds (a plain decode step is width 1; a verification is the draft's
+    width), as the decode loops run it: `steps` forwards chained in one jitted loop (each
+    reads the tokens the last one chose and writes the cache); a forward dispatched and
+    timed alone also pays the call's own overheads. Compiled here, by a first loop."""
     cfg = model.cfg
 
     # The decode loops' compiler options: without them XLA:CPU copies every cache layer on
@@ -89,26 +101,23 @@ def forward_ms(model, width: int, context: int = 96, steps: int = 16, repeats: i
         return jax.lax.fori_loop(0, steps, body, (toks, cache))
 
     cache = dense.init_cache(cfg, 1, context + width + 64, model.dtype)
-    cache = dense.KVCache(cache.layers, jnp.full((1,), context, jnp.int32))
-    toks = jnp.ones((1, width), jnp.int32)
-    toks, cache = loop(model.params, cache, toks)
-    toks.block_until_ready()
-    times = []
-    for _ in range(repeats):
+    state = [jnp.ones((1, width), jnp.int32), dense.KVCache(cache.layers, jnp.full((1,), context, jnp.int32))]
+
+    def time_once() -> float:
         t0 = time.perf_counter()
-        toks, cache = loop(model.params, cache, toks)
-        toks.block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3 / steps
+        state[0], state[1] = loop(model.params, state[1], state[0])
+        state[0].block_until_ready()
+        return (time.perf_counter() - t0) * 1e3 / steps
+
+    time_once()
+    return time_once
 
 
 def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
         k: int | None = None, method: str = "tli", dtype: str = "float32", chat=False,
         label: str = "held-out") -> dict:
     model = jaxdec.load(target, dtype=dtype)
-    sec, n, base_ids, _ = _run(model, prompts, n_new, chat=chat)
-    rows = [Row("plain decode", sec, n)]
-    widths = {}
+    loaded, widths = [], {}
     for src in drafter_srcs:
         # "smollm2@slem+int4": a cross-vocabulary method, the drafter's weight format
         src_w, _, weights = src.partition("+")
@@ -116,12 +125,22 @@ def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
         tree = meth[len("tree="):] if meth.startswith("tree=") else None
         drafter = drafters.load(name, model, k=k, method=method if tree or not meth else meth,
                                 weights=weights or None, tree=tree)
-        sec, n, ids, spec = _run(model, prompts, n_new, drafter, chat)
-        rows.append(Row(src, sec, n, identical=ids == base_ids, spec=spec))
+        loaded.append(drafter)
         if not isinstance(drafter, drafters.CrossVocab):
             widths[src] = core.draft_width(drafter)
-    plain_ms = forward_ms(model, 1)
-    verify_ms = {w: forward_ms(model, w) for w in sorted(set(widths.values()))}
+    gens = [_generator(model, prompts, n_new, d, chat) for d in [None, *loaded]]
+    (sec, n, base_ids, _), *spec_runs = _run_interleaved(gens, prompts)
+    rows = [Row("plain decode", sec, n)]
+    for src, (sec, n, ids, spec) in zip(drafter_srcs, spec_runs):
+        rows.append(Row(src, sec, n, identical=ids == base_ids, spec=spec))
+    # the forwards interleaved too: five rounds over every width, medians
+    timers = {w: forward_timer(model, w) for w in sorted({1, *widths.values()})}
+    times = {w: [] for w in timers}
+    for _ in range(5):
+        for w, timer in timers.items():
+            times[w].append(timer())
+    verify_ms = {w: float(np.median(t)) for w, t in times.items()}
+    plain_ms = verify_ms[1]
     return {"target": target, "prompts": len(prompts), "label": label, "new_tokens": n_new, "plain_step_ms": plain_ms,
             "rows": [dict(dataclasses.asdict(r), tok_s=r.tok_s, speedup=r.tok_s / rows[0].tok_s,
                           verify_ms=verify_ms.get(widths.get(r.name)))

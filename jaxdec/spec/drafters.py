@@ -38,7 +38,8 @@ def load(src: str, target, *, k: int | None = None, method: str = "tli",
          weights: str | None = None, tree: str | None = None):
     """A drafter for `target` from a drafter checkpoint directory, "layers:N", or a model
     (a registry name, a .gguf file, a HF dir or a jaxdec checkpoint) whose matmul weights
-    are loaded as `weights` (`jaxdec.load`'s: "int8", "int4", ... a cheaper drafter).
+    are loaded as `weights` (`jaxdec.load`'s: "int8", "int4", ... a cheaper drafter; a
+    trained EAGLE-3 drafter's are quantised to "int8" or "int4", `with_weights`).
     `tree` "DEPTH,TOP_K,BUDGET" makes a checkpoint's drafter draft EAGLE-2 trees
     (`jaxdec.spec.tree.TreeSpec`; "chain" makes a tree drafter draft chains)."""
     import jaxdec
@@ -47,6 +48,7 @@ def load(src: str, target, *, k: int | None = None, method: str = "tli",
     if (path / "drafter.json").exists():
         from jaxdec.spec import store
         drafter = store.load_drafter(path, target)
+        drafter = drafter if weights is None else with_weights(drafter, weights, src)
         drafter = drafter if tree is None else with_tree(drafter, tree, src)
         return drafter if k is None else with_k(drafter, k)
     if tree is not None:
@@ -68,6 +70,23 @@ def _int(text: str, what: str) -> int:
         return int(text)
     except ValueError:
         raise JaxdecError(f"{what}: {text!r} is not an integer") from None
+
+
+def with_weights(drafter, weights: str, src: str = "the drafter"):
+    """A trained EAGLE-3 drafter with its matmul weights stored as `weights` ("int8" or
+    "int4", group-wise; "f32": as trained). Drafting reads the drafter's weights every
+    draft token, a sizeable share of a round when the target is small."""
+    from jaxdec.quant import convert
+    from jaxdec.spec import eagle3
+
+    if weights == "f32":
+        return drafter
+    if not isinstance(drafter, eagle3.Eagle3):
+        raise JaxdecError(f"{src}: only an EAGLE-3 drafter's trained weights can be quantised")
+    if weights not in ("int8", "int4"):
+        raise JaxdecError(f"{src}: a trained drafter's weights can be int8 or int4, not {weights!r}")
+    net = convert.quantize_params(drafter.params.net, eagle3.declare(drafter.cfg), weights)
+    return dataclasses.replace(drafter, params=dataclasses.replace(drafter.params, net=net))
 
 
 def with_tree(drafter, text: str, src: str = "the drafter"):

@@ -181,9 +181,15 @@ def xla_linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.
     return y.astype(dtype or x.dtype)
 
 
+def act_dtype(net: Eagle3Params):
+    """The drafter's activation dtype: its trained weights' (its norms keep it when the
+    matmul weights are quantised, `drafters.with_weights`)."""
+    return net.hid_norm.dtype
+
+
 def fuse(net: Eagle3Params, feats: jax.Array, mm=layers.linear) -> jax.Array:
     """g = FC([h_lo; h_mid; h_hi]): [..., n_taps * D] -> [..., D] in the params' dtype."""
-    return mm(feats.astype(net.fc.dtype), net.fc)
+    return mm(feats.astype(act_dtype(net)), net.fc)
 
 
 def _inputs(net: Eagle3Params, g, e, cfg: Eagle3Config) -> jax.Array:
@@ -343,7 +349,7 @@ class Eagle3:
         e = transformer.embed(params.embed, tokens)
         if past is None:
             past = dense.before(cache.lengths, positions, cache.n_slots)
-        h, kv = layer(net, g.astype(net.fc.dtype), e, positions, cache.layers[0], past, self.cfg, tree)
+        h, kv = layer(net, g.astype(act_dtype(net)), e, positions, cache.layers[0], past, self.cfg, tree)
         lengths = cache.lengths if tree is not None else dense.advance(cache.lengths, positions)
         return h, dense.KVCache(layers=(kv,), lengths=lengths)
 
