@@ -6,8 +6,10 @@
         --drafters smollm2@tli,smollm2@slem,smollm2@tli+int4
 
 Each drafter is a trained drafter checkpoint (`DIR@tree=DxKxB`: an EAGLE-3 checkpoint
-drafting EAGLE-2 trees of depth D, top-k K and B draft tokens), a model (another vocabulary: `@tli` or
-`@slem`; `+int8`/`+int4`/`+gguf`: its weights quantised, a cheaper drafter), or layers:N. Prints mean accepted length, tokens/s, speed-up over plain decoding,
+drafting EAGLE-2 trees of depth D, top-k K and B draft tokens; `DIR+int8`/`+int4`: its
+weights quantised), a model (another vocabulary: `@tli` or `@slem`; `+int8`/`+int4`/`+gguf`:
+its weights quantised, a cheaper drafter), or layers:N. Every method decodes each prompt
+before the next prompt starts, so the machine's drifting speed falls on all rows alike. Prints mean accepted length, tokens/s, speed-up over plain decoding,
 whether the tokens are identical (they must be), ms per round against the verification
 forward alone, the ceiling (the speed-up if drafting were free), and acceptance by position.
 """

@@ -122,6 +122,24 @@ def test_bench_spec_smoke(tmp_path):
     assert "layers:1" in r.stdout and "acceptance by position" in r.stdout
 
 
+def test_profile_spec_smoke(tmp_path):
+    """scripts/profile_spec.py on a tiny saved target drafted by its first layer: both
+    tables, each naming the decode's ops with their shares of the time."""
+    from tiny_hf import save_tiny_checkpoint
+
+    target = save_tiny_checkpoint(tmp_path / "tiny", seed=5)
+    r = subprocess.run([sys.executable, "scripts/profile_spec.py", "--target", str(target),
+                        "--drafter", "layers:1", "--new-tokens", "8", "--top", "5"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    heads = [i for i, line in enumerate(lines) if "ms of ops per" in line]
+    assert len(heads) == 2 and "per token" in lines[heads[0]] and "per round" in lines[heads[1]]
+    rows = [line for line in lines if line.startswith("  ") and "%" in line]
+    assert len(rows) == 10 and not any(row.split()[-1] == "while" for row in rows), r.stdout
+    assert any(("matmul" in row or "dot" in row) for row in rows), r.stdout
+
+
 def test_draft_vocab_coverage_smoke(tmp_path):
     """scripts/draft_vocab_coverage.py on a tiny saved target: shares grow with the draft
     vocabulary and the whole vocabulary covers everything."""

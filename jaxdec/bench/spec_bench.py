@@ -113,18 +113,24 @@ def forward_timer(model, width: int, context: int = 96, steps: int = 16):
     return time_once
 
 
+def load_drafter(src: str, model, *, k: int | None = None, method: str = "tli"):
+    """A drafter from a bench source: "SRC[@METHOD|@tree=DxKxB][+WEIGHTS]", e.g.
+    "smollm2@slem+int4" (a cross-vocabulary method, the drafter's weight format) or
+    "DIR@tree=4x4x7+int8" (a checkpoint drafting trees, its weights int8)."""
+    src_w, _, weights = src.partition("+")
+    name, _, meth = src_w.partition("@")
+    tree = meth[len("tree="):] if meth.startswith("tree=") else None
+    return drafters.load(name, model, k=k, method=method if tree or not meth else meth,
+                         weights=weights or None, tree=tree)
+
+
 def run(target: str, drafter_srcs: list[str], prompts: list[str], n_new: int, *,
         k: int | None = None, method: str = "tli", dtype: str = "float32", chat=False,
         label: str = "held-out") -> dict:
     model = jaxdec.load(target, dtype=dtype)
     loaded, widths = [], {}
     for src in drafter_srcs:
-        # "smollm2@slem+int4": a cross-vocabulary method, the drafter's weight format
-        src_w, _, weights = src.partition("+")
-        name, _, meth = src_w.partition("@")  # "@tree=DxKxB": a tree-drafting checkpoint
-        tree = meth[len("tree="):] if meth.startswith("tree=") else None
-        drafter = drafters.load(name, model, k=k, method=method if tree or not meth else meth,
-                                weights=weights or None, tree=tree)
+        drafter = load_drafter(src, model, k=k, method=method)
         loaded.append(drafter)
         if not isinstance(drafter, drafters.CrossVocab):
             widths[src] = core.draft_width(drafter)
