@@ -635,8 +635,8 @@ void avx512_group_band(const Job& J, int64_t gi, int64_t ub, int64_t ue) {
   const bool off = J.off != nullptr;
   const int64_t rem = J.N % 16;
   const __mmask16 tmask = rem ? static_cast<__mmask16>((1u << rem) - 1u) : static_cast<__mmask16>(0xffff);
-  // M-blocks: as few as the format's largest block allows, of balanced sizes (13 rows: 5, 4,
-  // 4), so no block is a lone row (one row's 4 accumulator chains wait on FMA latency).
+  // M-blocks: as few as the format's largest block allows, of balanced sizes (7 rows: 4 and
+  // 3, not 6 and 1), so no block is a lone row (its 4 accumulator chains wait on FMA latency).
   // Each row's sums do not depend on its block: y is the same for any blocking.
   const int64_t nb = (J.M + max_mb(J.fmt) - 1) / max_mb(J.fmt), base = J.M / nb, extra = J.M % nb;
   const bool has_tail = rem != 0 && ue == J.units;
