@@ -26,9 +26,12 @@ from jaxdec.sampling import Sampler
 
 
 # XLA:CPU's default copy insertion copies every donated cache buffer that is both read
-# (attention) and updated in place (the new token's slot) in one step: two full copies of
-# each layer's K and V per decode step. Its region analysis proves the read happens first
-# and drops them all (checked on the compiled HLO by tests/test_decode_hlo.py).
+# (attention over the cache as it was) and updated in place (the new token's slot) in one
+# step: two full copies of each layer's K and V per decode step. Its region analysis proves
+# the read happens first and drops them all (checked on the compiled HLO by
+# tests/test_decode_hlo.py). Steps and draft chains on the CPU attention kernel write first
+# and attend after, which needs no copy either way; a speculative tree's verification (the
+# kernel over the cache as it was, then the write) still needs the option.
 COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 

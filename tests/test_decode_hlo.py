@@ -67,15 +67,45 @@ def test_generation_loop_copies_no_cache(tiny):
     assert cache_copies(loop_body(hlo), cache) == []
 
 
-def test_without_region_analysis_xla_would_copy(tiny, monkeypatch):
-    """The check above can fail: XLA's default copy insertion copies every buffer."""
-    cfg, params = tiny
-    cache = dense.init_cache(cfg, 2, 64)
+def _default_copy_insertion_hlo(cfg, params, cache):
     f = jax.jit(decode.decode_step.__wrapped__, static_argnames=("sampler", "cfg"),
                 donate_argnames=("cache",))
-    hlo = f.lower(params, cache, jnp.array([1, 2]), jax.random.key(0), Greedy(),
-                  cfg).compile().as_text()
-    assert cache_copies(hlo, cache) != []
+    return f.lower(params, cache, jnp.array([1, 2]), jax.random.key(0), Greedy(),
+                   cfg).compile().as_text()
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason=f"CPU kernel: {cpu_kernel.reason()}")
+def test_without_region_analysis_xla_would_copy(tiny):
+    """The check can fail: where the kernel attends over the cache as it was and the new
+    keys are written after (a speculative tree's verification), XLA's default copy
+    insertion copies every buffer, and the decode loops' options drop the copies."""
+    cfg, params = tiny
+    cache = dense.init_cache(cfg, 2, 64)
+    positions = jnp.array([[3, 4, 4], [5, 6, 6]])
+    tree = transformer.Tree(mask=jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]] * 2, bool),
+                            slots=jnp.array([[3, 4, 5], [5, 6, 7]]))
+
+    def verify(params, cache, tokens):
+        return transformer.hidden_and_taps(params, tokens, positions, cache, cfg, tree=tree)[:2]
+
+    def hlo(**options):
+        f = jax.jit(verify, donate_argnames=("cache",), compiler_options=options)
+        return f.lower(params, cache, jnp.ones((2, 3), jnp.int32)).compile().as_text()
+
+    assert cache_copies(hlo(), cache) != []
+    assert cache_copies(hlo(**decode.COMPILER_OPTIONS), cache) == []
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason=f"CPU kernel: {cpu_kernel.reason()}")
+def test_kernel_step_writes_then_attends_without_copies(tiny):
+    """On the attention kernel a step writes its keys first and attends over the updated
+    cache: nothing reads the old buffer after the write, so even the default copy
+    insertion copies nothing."""
+    cfg, params = tiny
+    cache = dense.init_cache(cfg, 2, 64)
+    hlo = _default_copy_insertion_hlo(cfg, params, cache)
+    assert cpu_kernel.ATTENTION_TARGET in hlo
+    assert cache_copies(hlo, cache) == []
 
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason=f"CPU kernel: {cpu_kernel.reason()}")

@@ -60,3 +60,50 @@ def test_cli_draft_errors():
     assert_one_line_error(drafters.load, "layers:31", model, match="1..30 layers")
     assert_one_line_error(jaxdec.generate, model, "hi", max_new_tokens=model.cfg.max_position,
                           drafter=drafters.load("layers:2", model), match="exceeds the model's context")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verification_rows_equal_decode_steps_bit_for_bit(dtype):
+    """A chunk of 7 tokens (a draft of 6 and the last token) through the target gives, row
+    by row, exactly the logits of 7 decode steps over the same tokens: the matmul kernel's
+    sums do not depend on the row count, and the chunk is written before it is attended,
+    so each query's softmax and value sums run over its keys in slot order. In bf16 a
+    rounding difference anywhere would change some logits (it flipped greedy tokens
+    before), so this is what makes greedy speculation token-identical there too."""
+    from jaxdec import decode
+    from jaxdec.models import transformer
+
+    model = jax_model("smollm2", dtype)
+    cfg, params = model.cfg, model.params
+    rng = np.random.default_rng(int.from_bytes(dtype.encode(), "little") % 2**32)
+    prompt = jax.numpy.asarray(rng.integers(100, cfg.vocab_size, (1, 37)), "int32")
+    chunk = jax.numpy.asarray(rng.integers(100, cfg.vocab_size, (1, 7)), "int32")
+    forward = jax.jit(lambda c, t, pos: transformer.forward(params, t, pos, c, cfg),
+                      compiler_options=decode.COMPILER_OPTIONS)
+
+    def prefilled():
+        cache = jaxdec.api.init_cache(model, 1, 64)
+        return decode.prefill(params, cache, prompt, jax.numpy.asarray([37]), cfg)[1]
+
+    cache = prefilled()
+    together, _ = forward(cache, chunk, cache.lengths[:, None] + jax.numpy.arange(7))
+    cache, steps = prefilled(), []
+    for i in range(7):
+        logits, cache = forward(cache, chunk[:, i:i + 1], cache.lengths[:, None])
+        steps.append(np.asarray(logits[0, 0]))
+    np.testing.assert_array_equal(np.asarray(together[0]), np.stack(steps))
+
+
+def test_bf16_greedy_speculation_identical_one_prompt_at_a_time():
+    """In bf16, where rounding differences between the verification and the decode steps
+    flipped tokens, speculative greedy decoding of single prompts gives plain decoding's
+    tokens (chains of up to 6 drafts: verification chunks of up to 7 rows)."""
+    model = jax_model("smollm2", "bfloat16")
+    drafter = drafters.load("layers:12", model, k=4)
+    accepted = []
+    for prompt in PROMPTS_20[::4]:
+        want = jaxdec.generate(model, prompt, max_new_tokens=48)
+        got = jaxdec.generate(model, prompt, max_new_tokens=48, drafter=drafter)
+        assert got.token_ids == want.token_ids, prompt
+        accepted.append(got.spec["mean_accepted"])
+    assert max(accepted) > 1.0

@@ -208,6 +208,17 @@ def before(lengths: jax.Array, positions: jax.Array, n_slots: int) -> jax.Array:
     return (slots < end[:, None, None]) & (positions[:, :, None] >= 0)
 
 
+def with_chunk(past: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    """bool[B, T, n_slots]: `past` (from `before`) plus the chunk's own keys at the slots
+    they were written to, as `mask` (bool[B, T, T], queries by keys) shows them: the
+    visibility for attending over the cache after writing the chunk into it. A key past
+    the capacity (written to scratch) is seen by nobody."""
+    n = past.shape[-1]
+    slots = jnp.arange(n)[None, None, :]
+    own = (positions[:, :, None] == slots) & (slots < n - 1)  # [B, T keys, n_slots]
+    return past | jnp.any(mask[:, :, :, None] & own[:, None, :, :], axis=2)
+
+
 def chunk_mask(positions: jax.Array) -> jax.Array:
     """bool[B, T, T]: causal by position, padding (position < 0) sees and is seen by nothing."""
     q, k = positions[:, :, None], positions[:, None, :]

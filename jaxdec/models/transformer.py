@@ -23,7 +23,7 @@ from jaxdec.cache import dense, kinds
 from jaxdec.config import ModelConfig
 from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
-from jaxdec.quant import dfloat11
+from jaxdec.quant import cpu_kernel, dfloat11
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -174,6 +174,14 @@ def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, 
             kv = kinds.write(kv, k, v, positions)
             seen = jnp.where(positions[:, 0] >= 0, positions[:, 0] + 1, 0)
             out = kinds.decode_attention(q[:, 0], kv, seen, cfg.attention_impl)[:, None]
+        elif tree is None and isinstance(kv, dense.KVLayer) and cpu_kernel.attends(q.shape[1], kv.k.dtype):
+            # a short chunk (a decode step, a speculative draft) on the CPU kernel: write, then
+            # attend over the cache alone. Each query's sums then run over its keys in slot
+            # order whatever the chunk's length, so a draft's verification computes every row
+            # bit for bit as the decode step of that token would (greedy speculation stays
+            # token-identical to plain decoding, in bf16 too).
+            kv = kinds.write(kv, k, v, positions)
+            out = layers.attention(q, (kv.k, kv.v, dense.with_chunk(past, positions, mask)))
         else:  # the cache as it was before this chunk, then the chunk itself
             out = layers.attention(q, (*kinds.dense_view(kv, q.dtype), past), chunk)
             kv = kinds.write(kv, k, v, slots)

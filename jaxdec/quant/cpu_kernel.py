@@ -553,6 +553,11 @@ def _attention_ffi(q, *flat, scale: float, impl: int):
     return call(q, *flat, scale=np.float32(scale), impl=np.int64(impl))
 
 
+def attends(t: int, dtype) -> bool:
+    """Whether `attention` runs the kernel for chunks of t queries over keys of `dtype`."""
+    return t <= MAX_ATTENTION_T and jnp.dtype(dtype) in _DENSE_DTYPES and usable()
+
+
 def attention(q, blocks, *, scale: float, xla, impl: str | None = None) -> jax.Array:
     """Attention of q [B, T, N, H] over key blocks (k [B, Kh, S, H], v [B, Kh, H, S], mask
     bool[B, T, S]) sharing one softmax, k and v float32 or bfloat16: f32[B, T, N, H].
@@ -563,8 +568,7 @@ def attention(q, blocks, *, scale: float, xla, impl: str | None = None) -> jax.A
     multiplies the scores (1/sqrt(H) for standard attention).
     """
     b, t, n, h = q.shape
-    ok = (t <= MAX_ATTENTION_T and b * t * n * h > 0 and usable()
-          and all(k.dtype == v.dtype and k.dtype in _DENSE_DTYPES for k, v, _ in blocks))
+    ok = (b * t * n * h > 0 and all(k.dtype == v.dtype and attends(t, k.dtype) for k, v, _ in blocks))
     if not ok:
         return xla(q, *blocks)
     flat = [a for k, v, m in blocks for a in (k, v, m.astype(bool))]

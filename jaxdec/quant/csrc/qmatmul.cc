@@ -23,10 +23,10 @@
 // small persistent pool of workers that spin for a while after each job and then sleep on a
 // condvar; chunks are claimed dynamically (see Pool), and the pool backs off to one thread when
 // the machine is oversubscribed (see Adaptive).  Columns never depend on the split, so results
-// are bitwise identical for any thread count.  Dense matrices with short rows and M <= 4 are
+// are bitwise identical for any thread count.  Dense matrices with short rows and M <= 8 are
 // split over K instead (slabs of rows, each a contiguous stretch of memory; see slab_count):
-// the partial products are summed in slab order, and the slabs depend on the shape only, so
-// these results too are the same for any thread count.
+// the partial products are summed in slab order, and the slabs depend on W's shape only, so
+// these results too are the same for any thread count, and a row's sums do not depend on M.
 //
 // Exported:
 //   jaxdec_qmatmul            the XLA FFI handler for quantised W (typed API)
@@ -1205,19 +1205,21 @@ void amx_round_x(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 // once per group) and on the panel path.
 std::atomic<int> g_dense_group{env_int("JAXDEC_CPU_DENSE_GROUP", 16)};
 std::atomic<int> g_dense_group_panel{env_int("JAXDEC_CPU_DENSE_GROUP_PANEL", 256)};
-// K slabs (see Job::slabs): bytes of W per slab (0: never split K), and the largest M and
-// row of W (bytes) for which K is split.
+// K slabs (see Job::slabs): bytes of W per slab (0: never split K), and the longest row of W
+// (bytes) for which K is split.
 std::atomic<int> g_slab_bytes{env_int("JAXDEC_CPU_SLAB_BYTES", 512 * 1024)};
-constexpr int64_t kSlabMaxM = 4;
 constexpr int64_t kSlabMaxRowBytes = 16 * 1024;
 
-// Slabs of W rows for a K-split product (0: split N instead).  Depends on the shape only, never
-// on the thread count, so that results do not either.
+// Slabs of W rows for a K-split product (0: split N instead).  Depends on W's shape only: not
+// on the thread count, and not on M either, within the register path (M <= panel_min_m) that
+// decoding and short verification chunks take.  So a row of x gets the same sums, bit for bit,
+// whether it comes alone (a decode step) or with the other tokens of a speculative draft (the
+// verification): greedy speculation stays token-identical to plain decoding, in bf16 too.
 int64_t slab_count(const Job& J, bool simd) {
   const int64_t target = g_slab_bytes.load(std::memory_order_relaxed);
   const int64_t row_bytes = J.N * elem_bytes(J.fmt);
-  if (!simd || !is_dense(J.fmt) || target <= 0 || J.M > kSlabMaxM || row_bytes > kSlabMaxRowBytes ||
-      J.K * row_bytes * J.M < g_min_parallel_bytes.load(std::memory_order_relaxed))
+  if (!simd || !is_dense(J.fmt) || target <= 0 || J.M > g_panel_min_m.load(std::memory_order_relaxed) ||
+      row_bytes > kSlabMaxRowBytes || J.K * row_bytes < g_min_parallel_bytes.load(std::memory_order_relaxed))
     return 0;
   // About `target` bytes each, a multiple of 4 slabs (even shares for 2 or 4 threads).
   int64_t n = (J.K * row_bytes + target - 1) / target;
