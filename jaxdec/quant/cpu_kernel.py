@@ -94,8 +94,10 @@ MAX_KERNEL_M = 256
 # most shapes from M = 64 (XLA's GEMM, 2x at M = 512): `scripts/bench_qmatmul.py --m 1,8,32,64
 # --variants "f32 dot,kf32"`.  Below 64 the kernel keeps them: XLA's first call of a loaded
 # executable spends ~0.25 s building its GEMM runtimes, which every prompt under 64 tokens then
-# skips (`jaxdec bench` line "CLI TTFT s warm").  bfloat16 with bfloat16 activations:
-# XLA's dot runs on AMX/AVX512-BF16 (XNNPACK) and wins from M = 8 (1.2-2.6x at 8-32, 3x at 64);
+# skips (`jaxdec bench` line "CLI TTFT s warm").  bfloat16 with bfloat16 activations, on a
+# CPU with AMX: XLA's dot runs on AMX (XNNPACK) and wins from M = 8 (1.2-2.6x at 8-32, 3x at
+# 64).  Without AMX it loses to the kernel at every M from 8 to 64 (1.1-2.1x, SmolLM2's four
+# shapes, a host with AVX512-BF16 but no AMX), so bfloat16 then takes float32's limit.
 # bfloat16 weights with float32 activations: XLA widens the matrix to f32 on every call, so the
 # kernel keeps them (see `_dense_limit`).
 MAX_DENSE_KERNEL_M = {"float32": 64, "bfloat16": 8}
@@ -452,6 +454,8 @@ def _dense_limit(x_dtype, w_dtype) -> int:
     if name == "bfloat16" and jnp.dtype(x_dtype) != jnp.bfloat16:
         # XLA would widen the matrix every call; the kernel (AMX from 16 rows) does not.
         return (1 << 62) if has_amx() else 128
+    if name == "bfloat16" and not has_amx():
+        name = "float32"
     return MAX_DENSE_KERNEL_M[name]
 
 
