@@ -6,6 +6,7 @@ for the f32 dot, codes + f16 scales for the quantised variants) of:
 
   f32 dot    XLA `x @ W` with W f32[K, N]
   bf16 dot   XLA `jnp.dot(x, W, preferred_element_type=f32)` with W bf16[K, N]
+  bf16x dot  the same with x rounded to bf16 too (a bf16 model's activations)
   kf32/kbf16 the C++ kernel on W f32 / bf16                    (`dense_matmul`)
   deq8/deq4  XLA dequantise (int8 / int4 codes -> f32) + dot   (`qmatmul_xla`)
   k8/k4      the C++ kernel on int8 / int4 codes               (`qmatmul`)
@@ -18,7 +19,7 @@ weights (not cache-hot: 30 x 3.5 MB in f32), in one jit exposes per-call overhea
 
 The kernel variants always run the kernel here, also at M >= MAX_KERNEL_M / MAX_DENSE_KERNEL_M
 where `qmatmul` / `dense_matmul` themselves hand over to XLA: the table is what sets those.
-Crossover for dense weights: --m 1,8,32,64,128,512 --variants "f32 dot,kf32,bf16 dot,kbf16".
+Crossover for dense weights: --m 1,8,32,64,128,512 --variants "f32 dot,kf32,bf16 dot,bf16x dot,kbf16".
 
     .venv/bin/python scripts/bench_qmatmul.py [--quick] [--m 1,8] [--shapes smol|qwen|all]
         [--variants "f32 dot,kf32,..."] [--chain-only]
@@ -62,6 +63,7 @@ def variants(K, N, rng, offset: bool):
         "f32 dot": (lambda x, w: x @ w, (jnp.asarray(w),), w.nbytes),
         "kf32": (ck.dense_matmul, (jnp.asarray(w),), w.nbytes),
         "bf16 dot": (ck.dense_matmul_xla, (wb,), wb.nbytes),
+        "bf16x dot": (lambda x, w: ck.dense_matmul_xla(x.astype(jnp.bfloat16), w), (wb,), wb.nbytes),
         "kbf16": (ck.dense_matmul, (wb,), wb.nbytes),
         "deq8": (lambda x, q, s, o: ck.qmatmul_xla(x, q, s, o, bits=8, group_size=G),
                  (jnp.asarray(q8), jnp.asarray(s), None if o is None else jnp.asarray(o)), q8.nbytes + sb),

@@ -96,8 +96,9 @@ MAX_KERNEL_M = 256
 # executable spends ~0.25 s building its GEMM runtimes, which every prompt under 64 tokens then
 # skips (`jaxdec bench` line "CLI TTFT s warm").  bfloat16 with bfloat16 activations, on a
 # CPU with AMX: XLA's dot runs on AMX (XNNPACK) and wins from M = 8 (1.2-2.6x at 8-32, 3x at
-# 64).  Without AMX it loses to the kernel at every M from 8 to 64 (1.1-2.1x, SmolLM2's four
-# shapes, a host with AVX512-BF16 but no AMX), so bfloat16 then takes float32's limit.
+# 64).  Without AMX it loses to the kernel at every M from 8 to 64 (1.0-3.4x on SmolLM2's
+# shapes, a host with AVX512-BF16 but no AMX: `scripts/bench_qmatmul.py --m 8,32,64
+# --variants "bf16x dot,kbf16"`), so bfloat16 then takes float32's limit.
 # bfloat16 weights with float32 activations: XLA widens the matrix to f32 on every call, so the
 # kernel keeps them (see `_dense_limit`).
 MAX_DENSE_KERNEL_M = {"float32": 64, "bfloat16": 8}
