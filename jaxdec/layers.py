@@ -148,9 +148,11 @@ def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> 
     """GQA attention over one or more key blocks sharing one softmax.
 
     q: [B, T, N, H]; each block is (k, v, mask) with k: [B, K, S_i, H], v: [B, K, H, S_i]
-    (the dense cache's layouts) and mask: bool[B, T, S_i] (True = visible). Decoding attends
-    to two blocks, the cache as it was before this step and the step's own keys, so the cache
-    update is consumed only by the loop carry and XLA writes it in place. Scores and softmax
+    (the dense cache's layouts) and mask: bool[B, T, S_i] (True = visible). A chunk attends
+    to two blocks, the cache as it was before it and its own keys (prefill, tree
+    verification), or, on the CPU kernel, to the cache alone after its keys were written
+    there (decode steps, draft chains: every query then sums its keys in slot order,
+    whatever the chunk's length; see `transformer.attention_block`). Scores and softmax
     in float32; returns [B, T, N, H] in q.dtype. Short query chunks (decode) run the CPU
     kernel (`cpu_kernel.attention`), which reads only the visible keys; `attention_reference`
     is the definition, and what runs elsewhere.
