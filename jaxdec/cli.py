@@ -187,6 +187,9 @@ def _distill_parser(sub) -> None:
     o.add_argument("--unroll", type=int, default=None, help="eagle3: training-time-test steps")
     o.add_argument("--d-ff", type=int, default=None, help="eagle3: the layer's MLP width "
                    "(default: the target's)")
+    o.add_argument("--head", default=None, choices=["random", "target", "frozen"],
+                   help="eagle3: the draft LM head: random, or the target's columns as init "
+                   "or frozen (default: random)")
 
 
 def enable_compile_cache() -> None:

@@ -362,7 +362,7 @@ def _human(n: int) -> str:
 
 
 
-_DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll", "d_ff")
+_DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll", "d_ff", "head")
 
 
 def distill(args) -> int:

@@ -432,3 +432,52 @@ def test_from_meta_rebuilds_the_drafter(tiny, trained):
     rebuilt = eagle3.from_meta(task.meta(), as_dicts, tiny).params.net
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("head", ["target", "frozen"])
+def test_head_from_the_target(tiny, head, tmp_path):
+    """`head="target"|"frozen"` starts the draft head at the target's LM head columns d2t
+    and its final norm: the drafter's logits of a hidden state are the target's own logits
+    of the draft vocabulary (a float64 NumPy reference). A frozen head is no trained param:
+    AdamW with weight decay leaves it as it was, the checkpoint does not carry it, and the
+    loaded drafter takes it from the target again."""
+    from jaxdec.spec import store
+
+    rng = np.random.default_rng()
+    task = make_task(tiny, rng, head=head)
+    params = task.init(jax.random.key(int(rng.integers(1 << 30))))
+    assert (params.lm_head is None) == (head == "frozen")
+    h = rng.standard_normal((2, 5, tiny.cfg.d_model)).astype(np.float32)
+    x = h.astype(np.float64)
+    x = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + tiny.cfg.norm_eps)
+    x = x * np.asarray(tiny.params.final_norm, np.float64)
+    want = x @ np.asarray(tiny.params.lm_head, np.float64)[:, task.d2t]
+    net = task.drafter(params).params.net
+    got = eagle3.draft_logits(net, jnp.asarray(h), task.cfg)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+    data = {"tokens": rng.integers(0, tiny.cfg.vocab_size, (2, 12)), "mask": np.ones((2, 12))}
+    final, taps = target_features(tiny, data["tokens"])
+    batch = {**data, "taps": jnp.stack(taps, 2).astype(jnp.bfloat16),
+             "final": final.astype(jnp.bfloat16)}
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    grads = jax.grad(lambda p: task.loss(p, task.frozen(tiny), batch, None)[0])(params)
+    moved = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+    assert (moved.lm_head is None) == (head == "frozen")
+    assert not np.array_equal(np.asarray(moved.fc), np.asarray(params.fc))
+
+    target = types.SimpleNamespace(cfg=tiny.cfg, params=tiny.params, source="tiny")
+    path = store.save_drafter(tmp_path / "d", task, moved, {"target": store.target_info(target)})
+    saved = store.read_meta(path)
+    assert (saved["params"]["fields"]["lm_head"] is None) == (head == "frozen")
+    assert saved["drafter"]["head"] == head
+    loaded = store.load_drafter(path, target).params.net
+    jax.tree.map(np.testing.assert_array_equal, loaded, task.drafter(moved).params.net)
+    if head == "frozen":
+        np.testing.assert_array_equal(np.asarray(loaded.lm_head),
+                                      np.asarray(tiny.params.lm_head)[:, task.d2t])
+
+
+def test_unknown_head_is_an_error(tiny):
+    assert_one_line_error(make_task, tiny, np.random.default_rng(), head="tied",
+                          match="unknown draft head")

@@ -116,6 +116,16 @@ def init(cfg: Eagle3Config, rng, dtype=jnp.float32) -> Eagle3Params:
     return init_params(declare(cfg), rng, dtype)
 
 
+HEADS = ("random", "target", "frozen")
+"""The draft LM head of a trained EAGLE-3 drafter: a random init; the target's LM head
+columns (of the draft vocabulary) and final norm as init; or those columns kept frozen (not
+trained, not saved: a drafter rebuilds them from its target)."""
+
+
+def _dense(w) -> jax.Array:
+    return quant.dequantize(w) if isinstance(w, quant.QArray) else w
+
+
 def token_table(target: transformer.Params) -> transformer.Params:
     """The target's params reduced to what `transformer.embed` reads (no copy)."""
     tied = target.embed is None
@@ -533,27 +543,43 @@ class Eagle3Task:
     name: str = "eagle3"
     d2t: np.ndarray = dataclasses.field(compare=False, repr=False)  # i32[V_draft]
     table: transformer.Params | None = dataclasses.field(default=None, compare=False, repr=False)
+    head: str = "random"  # the draft LM head: one of HEADS
+    target_head: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def for_target(cls, target_model, dataset, *, draft_vocab: int = 8192, unroll: int = 4,
                    k: int | None = None, tree: TreeSpec | None = None, seed: int = 0,
-                   taps: tuple[int, ...] | None = None, d_ff: int | None = None) -> "Eagle3Task":
+                   taps: tuple[int, ...] | None = None, d_ff: int | None = None,
+                   head: str = "random") -> "Eagle3Task":
         """A task for `target_model` whose draft vocabulary is the `draft_vocab` tokens most
-        often predicted in `dataset` (see `token_counts`)."""
+        often predicted in `dataset` (see `token_counts`); `head` is one of `HEADS`."""
         t = target_model.cfg
         if unroll < 1:
             raise JaxdecError(f"the TTT unroll needs >= 1 step (got {unroll})")
+        if head not in HEADS:
+            raise JaxdecError(f"unknown draft head {head!r} (known: {', '.join(HEADS)})")
         k = k if k is not None else (tree.depth if tree is not None else 4)
         d2t, _ = vocab_map(token_counts(dataset, t.vocab_size), draft_vocab)
         taps = tuple(taps) if taps is not None else default_taps(t.n_layers)
         cfg = Eagle3Config(target=t, n_taps=len(taps), d_ff=d_ff or t.d_ff, draft_vocab=draft_vocab)
+        start = None if head == "random" else (head_columns(target_model.params, d2t),
+                                                 target_model.params.final_norm)
         task = cls(cfg=cfg, taps=taps, k=k, tree=tree, unroll=unroll, seed=seed, d2t=d2t,
-                   table=token_table(target_model.params))
+                   table=token_table(target_model.params), head=head, target_head=start)
         task.drafter(None)  # checks k, taps and tree
         return task
 
     def init(self, rng) -> Eagle3Params:
-        return init(self.cfg, rng)
+        """Random weights; with a "target" or "frozen" head, the target's LM head columns
+        and final norm instead (a frozen head is not a trained param: None)."""
+        params = init(self.cfg, rng)
+        if self.head == "random":
+            return params
+        head, norm = self.target_head
+        dtype = params.fc.dtype
+        return dataclasses.replace(
+            params, final_norm=jnp.array(norm, dtype),
+            lm_head=None if self.head == "frozen" else _dense(head).astype(dtype))
 
     def frozen(self, target_model) -> Frozen:
         return Frozen(embed=token_table(target_model.params),
@@ -565,6 +591,8 @@ class Eagle3Task:
         tokens = batch["tokens"]
         b, t = tokens.shape
         feats = batch["taps"].reshape(b, t, -1)
+        if params.lm_head is None:  # frozen: the target's columns, as the drafter will use
+            params = dataclasses.replace(params, lm_head=_dense(frozen.head).astype(params.fc.dtype))
         logits = ttt_logits(params, frozen.embed, feats, tokens, self.unroll, self.cfg)
         final = batch["final"].astype(jnp.float32)
         target = xla_linear(final, frozen.head.astype(jnp.float32))
@@ -572,6 +600,8 @@ class Eagle3Task:
         return loss, {"loss": loss, **metrics}
 
     def drafter(self, params) -> Eagle3:
+        if params is not None and params.lm_head is None:
+            params = dataclasses.replace(params, lm_head=self.target_head[0])
         dp = None if params is None else DrafterParams(
             net=params, d2t=jnp.asarray(self.d2t, jnp.int32), embed=self.table)
         return Eagle3(cfg=self.cfg, k=self.k, taps=self.taps, tree=self.tree, params=dp)
@@ -579,7 +609,7 @@ class Eagle3Task:
     def meta(self) -> dict:
         tree = None if self.tree is None else dataclasses.asdict(self.tree)
         return {"kind": "eagle3", "taps": list(self.taps), "k": self.k, "tree": tree,
-                "unroll": self.unroll, "d_ff": self.cfg.d_ff,
+                "unroll": self.unroll, "d_ff": self.cfg.d_ff, "head": self.head,
                 "draft_vocab": self.cfg.draft_vocab, "d2t": [int(i) for i in self.d2t]}
 
 
@@ -595,10 +625,12 @@ def from_meta(meta: dict, params, target_model) -> Eagle3:
     if isinstance(params, dict) and "net" in params:
         params = params["net"]
     net = params.net if isinstance(params, DrafterParams) else _as_params(params)
+    d2t = jnp.asarray(meta["d2t"], jnp.int32)
+    if net.lm_head is None:  # trained with the target's head frozen: not saved, taken again
+        net = dataclasses.replace(net, lm_head=head_columns(target_model.params, d2t))
     if net.lm_head.shape != (t.d_model, cfg.draft_vocab):
         raise JaxdecError(f"the drafter's LM head {net.lm_head.shape} does not fit a "
                           f"{t.d_model}-wide target and {cfg.draft_vocab} draft tokens")
-    d2t = jnp.asarray(meta["d2t"], jnp.int32)
     dp = DrafterParams(net=net, d2t=d2t, embed=token_table(target_model.params))
     return Eagle3(cfg=cfg, k=meta["k"], taps=taps, tree=tree, params=dp)
 
