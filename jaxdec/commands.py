@@ -73,6 +73,15 @@ def _load(args):
     return model
 
 
+def _prefetch_programs(command: str, args) -> None:
+    """Start loading the compiled programs the last `command` of these settings ran (see
+    `exec_cache.prefetch`): they load while the model does."""
+    from jaxdec import exec_cache
+
+    exec_cache.prefetch(repr((command, sorted((k, v) for k, v in vars(args).items()
+                                              if k not in ("prompt", "func")))))
+
+
 def _drafter(args, model):
     if not getattr(args, "draft", None):
         return None
@@ -93,6 +102,7 @@ def _spec_line(res) -> str:
 
 def generate(args) -> int:
     sampler = _sampler(args)
+    _prefetch_programs("generate", args)
     model = _load(args)
     drafter = _drafter(args, model)
     if args.no_stream:

@@ -21,6 +21,13 @@ the jit. Entries are written atomically (temporary file, then rename); an entry 
 cannot be read, fails its checksum or belongs to another key is ignored and rewritten.
 A loaded executable is kept for the rest of the process.
 
+A command that runs the same programs each time (`jaxdec generate` with one model and
+settings) names itself with `prefetch(tag)` before it loads its model: the executables the
+last run of that tag used (a list kept beside the entries) start loading on a background
+thread, which deserialization lets run in parallel (it releases the GIL), so their load
+overlaps the model's. A prefetched executable serves a call only when its stored key is
+the call's; one the call does not ask for is dropped unused.
+
 Every change to the jaxdec sources starts a new set of entries; past `MAX_BYTES` the
 least recently used are deleted. Only load entries this user wrote: unpickling and
 loading an executable runs code.
@@ -48,6 +55,10 @@ _lock = threading.Lock()
 _compile_lock = threading.Lock()
 _loaded: dict[str, jax.stages.Compiled] = {}  # digest -> executable, for this process
 _process_ident: str | None = None
+_prefetching: dict[str, threading.Event] = {}  # digest -> set once its prefetch ended
+_prefetched: dict[str, tuple[str, jax.stages.Compiled] | None] = {}  # digest -> (key, exe)
+_tag: str | None = None  # the prefetch tag of this process: the digests it uses are kept
+_used: list[str] = []
 
 stats: collections.Counter = collections.Counter()
 """How calls were served: memory, disk, compiled; stored entries; bad (unreadable) ones."""
@@ -61,10 +72,75 @@ def enable(directory) -> None:
 
 def disable() -> None:
     """Back to plain jit calls (executables already loaded are dropped)."""
-    global _dir
-    _dir = None
+    global _dir, _tag
+    for done in list(_prefetching.values()):
+        done.wait()
+    _dir = _tag = None
     with _lock:
         _loaded.clear()
+        _prefetching.clear()
+        _prefetched.clear()
+        _used.clear()
+
+
+PREFETCH_MAX = 4  # executables a tag remembers
+
+
+def prefetch(tag: str) -> threading.Thread | None:
+    """Start loading, on a thread, the executables the last run that called
+    `prefetch(tag)` used, in the order it used them; from now on the digests this process
+    uses are remembered for `tag`. None (nothing to do) when the cache is off or the tag
+    has no list yet."""
+    global _tag
+    if _dir is None:
+        return None
+    _tag = tag
+    try:
+        digests = _recent_path(tag).read_text().split()[:PREFETCH_MAX]
+    except OSError:
+        return None
+    digests = [d for d in digests if len(d) == 40 and all(c in "0123456789abcdef" for c in d)]
+    if not digests:
+        return None
+    with _lock:
+        digests = [d for d in digests if d not in _loaded and d not in _prefetching]
+        _prefetching.update((d, threading.Event()) for d in digests)
+    # not a daemon: the process waits for it at exit rather than tear XLA down under it
+    thread = threading.Thread(target=_prefetch, args=(digests,), name="jaxdec-exec-prefetch")
+    thread.start()
+    return thread
+
+
+def _prefetch(digests: list[str]) -> None:
+    try:
+        _settings()  # registers the CPU kernel's FFI targets, which the programs call
+        for digest in digests:
+            loaded = _read(digest, None)
+            with _lock:
+                _prefetched[digest] = loaded
+            _prefetching[digest].set()
+    finally:  # a prefetch only ever saves time: whatever failed is read again when called
+        for digest in digests:
+            _prefetching[digest].set()
+
+
+def _recent_path(tag: str) -> pathlib.Path:
+    return _dir / f"recent-{hashlib.sha256(tag.encode()).hexdigest()[:16]}.txt"
+
+
+def _remember(digest: str) -> None:
+    """Add `digest` to this process's list for its prefetch tag, rewritten atomically."""
+    if _tag is None or digest in _used or len(_used) >= PREFETCH_MAX:
+        return
+    _used.append(digest)
+    try:
+        _dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".recent.", suffix=".tmp", dir=_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(_used) + "\n")
+        os.replace(tmp, _recent_path(_tag))
+    except OSError:
+        pass
 
 
 def directory() -> pathlib.Path | None:
@@ -84,8 +160,10 @@ def call(fn, *args, **static):
     if exe is not None:
         stats["memory"] += 1
         return exe(*args)
-    exe = _read(digest, key)
+    exe = _take_prefetched(digest, key)
     if exe is not None:
+        stats["prefetched"] += 1
+    elif (exe := _read(digest, key)) is not None:
         stats["disk"] += 1
     else:
         exe = _compile(fn, args, static)
@@ -93,7 +171,23 @@ def call(fn, *args, **static):
         _write(digest, key, exe)
     with _lock:
         _loaded[digest] = exe
+    _remember(digest)
     return exe(*args)
+
+
+def _take_prefetched(digest: str, key: str) -> jax.stages.Compiled | None:
+    """The prefetched executable of `digest` if it was stored under `key` (waiting for the
+    prefetch when it has yet to reach it)."""
+    with _lock:
+        done = _prefetching.get(digest)
+    if done is None:
+        return None
+    done.wait()
+    with _lock:
+        loaded = _prefetched.pop(digest, None)
+    if loaded is None or loaded[0] != key:
+        return None
+    return loaded[1]
 
 
 # ---------------------------------------------------------------------------- the key
@@ -187,8 +281,9 @@ def _path(digest: str) -> pathlib.Path:
     return _dir / f"{digest}.exe"
 
 
-def _read(digest: str, key: str) -> jax.stages.Compiled | None:
-    """The executable stored for `key`, loaded; None when absent or unusable."""
+def _read(digest: str, key: str | None):
+    """The executable stored for `key`, loaded; None when absent or unusable. key=None
+    (a prefetch, which knows the digest only): (its stored key, the executable)."""
     from jax.experimental import serialize_executable
 
     path = _path(digest)
@@ -203,13 +298,15 @@ def _read(digest: str, key: str) -> jax.stages.Compiled | None:
     try:
         entry = pickle.loads(data)
         payload = entry["payload"]
-        if entry["key"] != key or hashlib.sha256(payload).hexdigest() != entry["sha256"]:
+        if (key is not None and entry["key"] != key) or (
+                hashlib.sha256(payload).hexdigest() != entry["sha256"]):
             raise ValueError("stale or damaged entry")
         serialized, in_tree, out_tree = pickle.loads(payload)
         # the entries are single-device programs (mesh runs bypass the cache); without the
         # device named, a process with several devices would load one onto all of them
-        return serialize_executable.deserialize_and_load(
+        exe = serialize_executable.deserialize_and_load(
             serialized, in_tree, out_tree, execution_devices=jax.local_devices()[:1])
+        return exe if key is not None else (entry["key"], exe)
     except Exception:  # noqa: BLE001 -- any damage means a miss; the entry is rewritten
         stats["bad"] += 1
         return None

@@ -101,6 +101,43 @@ def test_streamed_chunks_from_the_cache_equal_one_jit(tiny, cache_dir):
     assert exec_cache.stats["compiled"] == 2 and exec_cache.stats["disk"] == 2
 
 
+def test_prefetch_loads_the_programs_the_tags_last_run_used(tiny, cache_dir):
+    """A run under a prefetch tag lists the executables it used; after a restart,
+    `prefetch(tag)` loads them on a thread and the calls run them (the jit's tokens). A
+    call they do not fit is served as before, and another tag prefetches nothing."""
+    cfg, params = tiny
+    args = _inputs(cfg, params, np.random.default_rng())
+    static = dict(sampler=Greedy(), cfg=cfg, stop_ids=())
+
+    def streamed(new):
+        a = args()
+        p, cache = exec_cache.call(decode.start, *a, max_new_tokens=new, **static)
+        for target in (4, 8, new):
+            p, cache = exec_cache.call(decode.advance, a[0], cache, p, a[4], a[5], target,
+                                       **static)
+        return p
+
+    assert exec_cache.prefetch("generate") is None  # no list yet
+    ref, _ = decode.generate_tokens(*args(), max_new_tokens=16, **static)
+    _same(streamed(16), ref)
+    (listed,) = cache_dir.glob("recent-*.txt")
+    assert len(listed.read_text().split()) == 2 and exec_cache.stats["compiled"] == 2
+
+    _forget()
+    exec_cache.stats.clear()
+    assert exec_cache.prefetch("another command") is None
+    exec_cache.prefetch("generate").join()
+    _same(streamed(16), ref)
+    assert exec_cache.stats == {"prefetched": 2, "memory": 2}
+
+    _forget()
+    exec_cache.stats.clear()
+    exec_cache.prefetch("generate")
+    ref, _ = decode.generate_tokens(*args(), max_new_tokens=12, **static)
+    _same(streamed(12), ref)  # other shapes: other programs, the prefetched ones unused
+    assert exec_cache.stats == {"compiled": 2, "stored": 2, "memory": 2}
+
+
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "garbage"])
 def test_damaged_entry_is_recompiled_and_replaced(tiny, cache_dir, damage):
     cfg, params = tiny
