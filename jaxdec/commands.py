@@ -79,7 +79,7 @@ def _prefetch_programs(command: str, args) -> None:
     from jaxdec import exec_cache
 
     exec_cache.prefetch(repr((command, sorted((k, v) for k, v in vars(args).items()
-                                              if k not in ("prompt", "func")))))
+                                              if k not in ("prompt", "seed")))))
 
 
 def _drafter(args, model):

@@ -67,6 +67,17 @@ def test_bench_jaxdec_only(tmp_path):
     assert "ratios" in r.stdout
 
 
+def test_cli_ttft_cold_then_warm_pairs():
+    """The bench's whole-CLI time to first token: a cold run (empty cache) that compiles,
+    then warm runs paired without and with the prefetch list, all far below the cold one."""
+    from jaxdec.bench import decode_bench
+
+    got = decode_bench.cli_ttft(decode_bench.Settings(repeats=2), "gguf",
+                                "Write one sentence about the sea and the")
+    assert set(got) == {"cold_s", "warm_s", "warm_no_prefetch_s"}, got
+    assert 0 < got["warm_s"] < got["cold_s"] and 0 < got["warm_no_prefetch_s"] < got["cold_s"]
+
+
 @pytest.mark.parametrize("flags, word", [(["--batches", "1,x"], "--batches"),
                                          (["--weights", "", "--peers", ""], "nothing to measure")])
 def test_bench_rejects_bad_flags(flags, word):

@@ -126,6 +126,12 @@ def _dense(w) -> jax.Array:
     return quant.dequantize(w) if isinstance(w, quant.QArray) else w
 
 
+def with_head(net: Eagle3Params, head) -> Eagle3Params:
+    """`net` whole: a frozen-head drafter's missing LM head (None) is `head()`, the
+    target's columns of the draft vocabulary (what training, drafting and a reload use)."""
+    return net if net.lm_head is not None else dataclasses.replace(net, lm_head=head())
+
+
 def token_table(target: transformer.Params) -> transformer.Params:
     """The target's params reduced to what `transformer.embed` reads (no copy)."""
     tied = target.embed is None
@@ -544,7 +550,8 @@ class Eagle3Task:
     d2t: np.ndarray = dataclasses.field(compare=False, repr=False)  # i32[V_draft]
     table: transformer.Params | None = dataclasses.field(default=None, compare=False, repr=False)
     head: str = "random"  # the draft LM head: one of HEADS
-    target_head: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+    target_head: Any = dataclasses.field(default=None, compare=False, repr=False)  # [D, V_draft]
+    target_norm: jax.Array | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def for_target(cls, target_model, dataset, *, draft_vocab: int = 8192, unroll: int = 4,
@@ -562,10 +569,10 @@ class Eagle3Task:
         d2t, _ = vocab_map(token_counts(dataset, t.vocab_size), draft_vocab)
         taps = tuple(taps) if taps is not None else default_taps(t.n_layers)
         cfg = Eagle3Config(target=t, n_taps=len(taps), d_ff=d_ff or t.d_ff, draft_vocab=draft_vocab)
-        start = None if head == "random" else (head_columns(target_model.params, d2t),
-                                                 target_model.params.final_norm)
         task = cls(cfg=cfg, taps=taps, k=k, tree=tree, unroll=unroll, seed=seed, d2t=d2t,
-                   table=token_table(target_model.params), head=head, target_head=start)
+                   table=token_table(target_model.params), head=head,
+                   target_head=head_columns(target_model.params, d2t),
+                   target_norm=target_model.params.final_norm)
         task.drafter(None)  # checks k, taps and tree
         return task
 
@@ -575,11 +582,10 @@ class Eagle3Task:
         params = init(self.cfg, rng)
         if self.head == "random":
             return params
-        head, norm = self.target_head
         dtype = params.fc.dtype
         return dataclasses.replace(
-            params, final_norm=jnp.array(norm, dtype),
-            lm_head=None if self.head == "frozen" else _dense(head).astype(dtype))
+            params, final_norm=jnp.array(self.target_norm, dtype),
+            lm_head=None if self.head == "frozen" else _dense(self.target_head).astype(dtype))
 
     def frozen(self, target_model) -> Frozen:
         return Frozen(embed=token_table(target_model.params),
@@ -591,8 +597,7 @@ class Eagle3Task:
         tokens = batch["tokens"]
         b, t = tokens.shape
         feats = batch["taps"].reshape(b, t, -1)
-        if params.lm_head is None:  # frozen: the target's columns, as the drafter will use
-            params = dataclasses.replace(params, lm_head=_dense(frozen.head).astype(params.fc.dtype))
+        params = with_head(params, lambda: _dense(frozen.head).astype(params.fc.dtype))
         logits = ttt_logits(params, frozen.embed, feats, tokens, self.unroll, self.cfg)
         final = batch["final"].astype(jnp.float32)
         target = xla_linear(final, frozen.head.astype(jnp.float32))
@@ -600,10 +605,8 @@ class Eagle3Task:
         return loss, {"loss": loss, **metrics}
 
     def drafter(self, params) -> Eagle3:
-        if params is not None and params.lm_head is None:
-            params = dataclasses.replace(params, lm_head=self.target_head[0])
         dp = None if params is None else DrafterParams(
-            net=params, d2t=jnp.asarray(self.d2t, jnp.int32), embed=self.table)
+            net=with_head(params, lambda: self.target_head), d2t=jnp.asarray(self.d2t, jnp.int32), embed=self.table)
         return Eagle3(cfg=self.cfg, k=self.k, taps=self.taps, tree=self.tree, params=dp)
 
     def meta(self) -> dict:
@@ -626,8 +629,7 @@ def from_meta(meta: dict, params, target_model) -> Eagle3:
         params = params["net"]
     net = params.net if isinstance(params, DrafterParams) else _as_params(params)
     d2t = jnp.asarray(meta["d2t"], jnp.int32)
-    if net.lm_head is None:  # trained with the target's head frozen: not saved, taken again
-        net = dataclasses.replace(net, lm_head=head_columns(target_model.params, d2t))
+    net = with_head(net, lambda: head_columns(target_model.params, d2t))  # frozen: not saved
     if net.lm_head.shape != (t.d_model, cfg.draft_vocab):
         raise JaxdecError(f"the drafter's LM head {net.lm_head.shape} does not fit a "
                           f"{t.d_model}-wide target and {cfg.draft_vocab} draft tokens")

@@ -35,6 +35,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import time
 from functools import partial
 
 import jax
@@ -213,8 +214,12 @@ def make_dataset(model, prompts, *, n_new: int, taps: tuple[int, ...] = (), batc
     data = _from_wider(path, meta)
     if data is not None:
         return data
+    t0 = time.perf_counter()
     data = _generate(model, prompts, meta)
     save_dataset(path, data)
+    print(f"distillation data: {len(data)} rows, {int(data.mask.sum())} target tokens "
+          f"{'generated' if n_new else 'scored'} in {time.perf_counter() - t0:.0f} s: {path}",
+          file=sys.stderr)
     return data
 
 
