@@ -166,6 +166,10 @@ def _distill_parser(sub) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--log-every", type=int, default=10)
     d.add_argument("--ckpt-every", type=int, default=100)
+    d.add_argument("--val-prompts", type=int, default=32, help="held-out prompts whose target "
+                   "continuations validate the run (the last ones; 0: none); the lowest "
+                   "validation loss's drafter is kept in OUT/best")
+    d.add_argument("--eval-every", type=int, default=100, help="steps between validations")
     d.add_argument("--no-resume", action="store_true", help="refuse a run already in --out")
     d.add_argument("--n-prompts", type=int, default=256, help="training prompts from the corpora")
     d.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")

@@ -377,12 +377,13 @@ _DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll"
 
 def distill(args) -> int:
     from jaxdec import train
+    from jaxdec.spec import store
 
     warmup = args.steps // 20 if args.warmup is None else args.warmup
     cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch, lr=args.lr, warmup=warmup,
                             schedule=args.schedule, weight_decay=args.weight_decay,
                             clip=args.clip, seed=args.seed, log_every=args.log_every,
-                            ckpt_every=args.ckpt_every)
+                            ckpt_every=args.ckpt_every, eval_every=args.eval_every)
     model = jaxdec.load(args.target, dtype=args.dtype)
     opts = {k: getattr(args, k) for k in _DRAFTER_OPTIONS if getattr(args, k) is not None}
     t0 = time.perf_counter()
@@ -390,10 +391,15 @@ def distill(args) -> int:
                            n_new=args.n_new, prompt_len=args.prompt_len,
                            gen_batch=args.gen_batch, temperature=args.temperature,
                            windows=args.windows, window_len=args.window_len,
-                           cache_dir=args.cache_dir, opts=opts, command=" ".join(sys.argv),
+                           val_prompts=args.val_prompts, cache_dir=args.cache_dir,
+                           opts=opts, command=" ".join(sys.argv),
                            resume=not args.no_resume, stop_after=args.stop_after)
     last = result.history[-1] if result.history else {}
     print(f"drafter {args.drafter} for {args.target}: {result.drafter_path} (step "
           f"{last.get('step', '?')}, loss {last.get('loss', float('nan')):.4f}; "
           f"{time.perf_counter() - t0:.0f} s)")
+    if result.best_path is not None:
+        best = store.read_meta(result.best_path)["val"]
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in best.items() if k != "step")
+        print(f"best by validation loss: {result.best_path} (step {best['step']}: {shown})")
     return 0

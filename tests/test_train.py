@@ -104,6 +104,17 @@ def test_prompt_splits_are_disjoint_document_prefixes():
     assert_one_line_error(data.prompt_set, tok, split="test", match="unknown prompt split")
 
 
+def test_validation_prompts_are_the_last_heldout_ones():
+    """Validation takes the held-out split from its end, the benches from its start."""
+    tok = byte_tokenizer()
+    every = data.prompt_set(tok, split="heldout", prompt_len=20)
+    val = data.validation_prompts(tok, 7, prompt_len=20)
+    assert val == every[-7:] and len(every) > 40
+    assert not {tuple(r) for r in val} & {tuple(r) for r in data.heldout_prompts(tok, 30, prompt_len=20)}
+    assert_one_line_error(data.validation_prompts, tok, len(every) + 1, prompt_len=20,
+                          match="validation prompts")
+
+
 def test_windows_are_consecutive_cuts_of_training_documents_only():
     """Windows are the training documents' text, joined as they were split, cut into rows
     of 50 tokens (corpora interleaved); no held-out document appears in them."""
@@ -275,6 +286,37 @@ def test_training_lowers_the_loss_and_saves_the_drafter(tiny, tiny_data, tmp_pat
                           match=r"other settings \(train\)")
 
 
+def test_validation_logs_and_keeps_the_best_drafter(tiny, tiny_data, tmp_path):
+    """With validation rows, every eval_every steps (and the last) logs val_loss and the
+    task's metrics; OUT/best holds the params of the lowest val_loss (re-evaluated from the
+    saved drafter, they give that line's values), and a second call resumes past it."""
+    _, model = tiny
+    subset = lambda idx: data.Dataset(**tiny_data.rows(idx), meta={**tiny_data.meta, "rows": list(
+        map(int, idx))})
+    train_rows, val = subset(np.arange(12)), subset(np.arange(12, 16))
+    task = small.SmallDistill.for_target(model, train_rows, layers=1)
+    cfg = loop.TrainConfig(steps=14, batch_size=4, lr=3e-2, log_every=10, ckpt_every=7,
+                           eval_every=3)
+    result = loop.train(task, model, train_rows, cfg, tmp_path, val=val)
+    evals = [h for h in result.history if "val_loss" in h]
+    assert [h["step"] for h in evals] == [3, 6, 9, 12, 14]
+    assert [h["step"] for h in result.history if "val_loss" not in h] == [10]
+    assert {"val_top1", "val_loss"} <= set(evals[0]) and 0 <= evals[0]["val_top1"] <= 1
+    best = min(evals, key=lambda h: h["val_loss"])
+    record = store.read_meta(result.best_path)["val"]
+    assert record["step"] == best["step"] and record["val_loss"] == best["val_loss"]
+    saved = store.load_drafter(result.best_path, model)
+    params = dataclasses.replace(result.params, layers=saved.params.layers,
+                                 final_norm=saved.params.final_norm)
+    again = loop.make_evaluator(task, val, 4, cfg.seed)(params, task.frozen(model))
+    np.testing.assert_allclose(again["val_loss"], best["val_loss"], rtol=1e-5)
+    assert (best["step"] == 14) == np.array_equal(np.asarray(jax.tree.leaves(
+        saved.params.layers)[0]), np.asarray(jax.tree.leaves(result.params.layers)[0]))
+    longer = dataclasses.replace(cfg, steps=15)
+    assert_one_line_error(loop.train, task, model, train_rows, longer, tmp_path, val=val,
+                          match=r"other settings \(train\)")
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """The tiny Llama saved as a jaxdec checkpoint with a byte tokenizer (for the CLI)."""
@@ -287,15 +329,17 @@ def distill_cli(target, out, cache, *extra):
             "--drafter", "small", "--out", str(out), "--cache-dir", str(cache), "--steps", "8",
             "--batch", "4", "--lr", "1e-2", "--n-prompts", "12", "--prompt-len", "8",
             "--n-new", "8", "--gen-batch", "12", "--layers", "1", "--log-every", "1",
-            "--ckpt-every", "3", "--windows", "6", "--window-len", "16", *extra]
+            "--ckpt-every", "3", "--windows", "6", "--window-len", "16", "--val-prompts", "3",
+            "--eval-every", "4", *extra]
     env = dict(os.environ, JAXDEC_XLA_CACHE=str(cache / "xla"))
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_killed_run_resumes_with_identical_losses(tiny_checkpoint, tmp_path):
     """Stopped hard after step 6's checkpoint, with a step logged past it and a torn log
-    line, the resumed run logs exactly the losses of an uninterrupted one. The data: 12
-    prompts' continuations and 6 teacher-forced windows."""
+    line, the resumed run logs exactly the losses of an uninterrupted one, its validation
+    losses and best drafter too. The data: 12 prompts' continuations and 6 teacher-forced
+    windows; 3 held-out prompts' continuations validate."""
     cache = tmp_path / "cache"
     r = distill_cli(tiny_checkpoint, tmp_path / "a", cache, "--stop-after", "5")
     assert r.returncode == 0 and not (tmp_path / "a" / "drafter").exists(), r.stderr
@@ -310,6 +354,12 @@ def test_killed_run_resumes_with_identical_losses(tiny_checkpoint, tmp_path):
     assert [m["step"] for m in resumed] == list(range(1, 9))
     np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in straight],
                                rtol=1e-6, atol=0)
+    val = lambda lines: [(m["step"], m["val_loss"]) for m in lines if "val_loss" in m]
+    assert [s for s, _ in val(straight)] == [4, 8]
+    np.testing.assert_allclose(val(resumed), val(straight), rtol=1e-6, atol=0)
+    assert (store.read_meta(tmp_path / "a" / "best")["val"]
+            == store.read_meta(tmp_path / "b" / "best")["val"])
+    assert "best by validation loss" in r.stdout
     assert (tmp_path / "a" / "drafter" / "drafter.json").is_file()
     parts = json.loads((tmp_path / "a" / loop.RUN_FILE).read_text())["data"]["parts"]
     assert [(m["n_prompts"], m["n_new"]) for m in parts] == [(12, 8), (6, 0)]

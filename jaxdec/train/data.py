@@ -133,8 +133,20 @@ def window_rows(tokenizer, *, window: int = 128, n: int | None = None,
 
 
 def heldout_prompts(tokenizer, n: int, *, prompt_len: int = 32) -> list[list[int]]:
-    """`n` held-out prompt rows (never trained on): for evaluating drafters."""
+    """`n` held-out prompt rows (never trained on): for evaluating drafters. The first
+    ones: the benches take these."""
     return prompt_set(tokenizer, split="heldout", prompt_len=prompt_len, n=n)
+
+
+def validation_prompts(tokenizer, n: int, *, prompt_len: int = 32) -> list[list[int]]:
+    """`n` held-out prompt rows for validation during training: the last ones, so a drafter
+    chosen by its validation loss is benched on prompts it was not chosen on (as long as
+    the bench takes fewer than all held-out prompts minus `n`)."""
+    rows = prompt_set(tokenizer, split="heldout", prompt_len=prompt_len)
+    if not 0 < n <= len(rows):
+        raise JaxdecError(f"asked for {n} validation prompts of {prompt_len} tokens; the "
+                          f"corpora's held-out documents have {len(rows)}")
+    return rows[-n:]
 
 
 # ---------------------------------------------------------------------------- dataset

@@ -12,6 +12,14 @@ directory and renames it; the last two are kept); a run started on an `out_dir` 
 holds one continues from the latest, and produces the losses it would have produced
 uninterrupted. `out_dir/metrics.jsonl` gets one line per logged step: step, loss, the
 task's metrics, grad_norm, lr, and seconds since this call started training.
+
+Given validation data (`train(..., val=dataset)`: the target's continuations of held-out
+prompts), every `eval_every` steps and at the end the loss and the task's metrics are
+averaged over it (whole batches of `batch_size` rows, a fixed key) and logged on that
+step's line as `val_loss`, `val_<metric>`. The params with the lowest `val_loss` so far are
+saved as a drafter in `out_dir/best` (their step and values in its drafter.json, under
+"val"), so a run that trained past its best still hands the best one over; a resumed run
+takes the best so far from there.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxdec.errors import JaxdecError
@@ -35,6 +44,7 @@ from jaxdec.quant import cpu_kernel
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
+BEST_DIR = "best"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,10 +61,13 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 100
+    eval_every: int = 100  # steps between validation passes (when there is validation data)
 
     def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1 or self.log_every < 1 or self.ckpt_every < 1:
-            raise JaxdecError("steps, batch_size, log_every and ckpt_every must be positive")
+        if min(self.steps, self.batch_size, self.log_every, self.ckpt_every,
+               self.eval_every) < 1:
+            raise JaxdecError("steps, batch_size, log_every, ckpt_every and eval_every must be "
+                              "positive")
         if not 0 <= self.warmup < self.steps:
             raise JaxdecError(f"warmup must be in [0, steps) (got {self.warmup} of {self.steps})")
         if self.schedule not in ("cosine", "constant"):
@@ -115,41 +128,79 @@ def make_train_step(task, optimizer):
     return jax.jit(train_step, donate_argnums=0)
 
 
+def make_evaluator(task, dataset, batch_size: int, seed: int):
+    """evaluate(params, frozen) -> {"val_loss": ..., "val_<metric>": ...}: the task's loss
+    and metrics averaged over the batches of `dataset` (consecutive rows in whole batches of
+    min(batch_size, rows); a ragged tail is left out), each batch with its own fixed key."""
+    bs = min(batch_size, len(dataset))
+    batches = [dataset.rows(np.arange(i * bs, (i + 1) * bs)) for i in range(len(dataset) // bs)]
+    base = jax.random.PRNGKey(seed)
+
+    @jax.jit
+    def one(params, frozen, batch, key):
+        with cpu_kernel.xla_only():  # as the training step computes it
+            loss, metrics = task.loss(params, frozen, batch, key)
+        return {**metrics, "loss": loss}
+
+    def evaluate(params, frozen) -> dict[str, float]:
+        runs = [one(params, frozen, b, jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
+        means = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *runs))
+        return {f"val_{k}": float(v) for k, v in means.items()}
+
+    return evaluate
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
     params: Any  # the trained params
     drafter_path: pathlib.Path  # where store.save_drafter wrote them
     history: list[dict]  # the metrics lines this call logged
+    best_path: pathlib.Path | None = None  # the lowest-val_loss drafter (with validation data)
 
 
-def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, resume: bool = True,
-          command: str = "", stop_after: int | None = None) -> TrainResult:
+def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, val=None,
+          resume: bool = True, command: str = "", stop_after: int | None = None) -> TrainResult:
     """Train `task` on `dataset`, checkpointing into `out_dir` (see the module docstring);
-    save the drafter to `out_dir/drafter`. `stop_after` (a debugging aid for the resume
-    test) ends the process with os._exit right after step `stop_after`'s checkpoint."""
+    save the drafter to `out_dir/drafter`, and with validation data `val` the best one to
+    `out_dir/best`. `stop_after` (a debugging aid for the resume test) ends the process
+    with os._exit right after step `stop_after`'s checkpoint."""
     from tqdm import tqdm
 
     from jaxdec.spec import store
 
     out = pathlib.Path(out_dir).absolute()
-    _claim(out, _run_record(task, target_model, dataset, cfg), resume)
+    _claim(out, _run_record(task, target_model, dataset, cfg, val), resume)
     optimizer = make_optimizer(cfg)
     manager = _manager(out / "ckpt")
     state, start = _restore_or_init(manager, task, optimizer, cfg.seed, resume)
     history = _trim_metrics(out / METRICS_FILE, start)
     step_fn, frozen = make_train_step(task, optimizer), task.frozen(target_model)
+    evaluate = None if val is None else make_evaluator(task, val, cfg.batch_size, cfg.seed)
+    best = _best_so_far(out / BEST_DIR) if val is not None else None
+    meta = {"target": store.target_info(target_model), "command": command,
+            "train": dataclasses.asdict(cfg), "data": dataset.meta}
     lr = jax.jit(schedule(cfg))  # on the host, once compiled
     t0 = time.perf_counter()
     with tqdm(total=cfg.steps, initial=start, desc=f"training {task.name}", unit="step",
               file=sys.stderr, disable=None) as bar, open(out / METRICS_FILE, "a") as log:
         for s in range(start, cfg.steps):
             state, metrics = step_fn(state, frozen, dataset.batch(s, cfg.batch_size, cfg.seed))
-            if (s + 1) % cfg.log_every == 0 or s + 1 == cfg.steps:
+            last = s + 1 == cfg.steps
+            evaluating = evaluate is not None and ((s + 1) % cfg.eval_every == 0 or last)
+            if (s + 1) % cfg.log_every == 0 or last or evaluating:
                 line = _log_line(s + 1, metrics, float(lr(s)), time.perf_counter() - t0)
+                if evaluating:
+                    line.update(evaluate(state.params, frozen))
+                    if best is None or line["val_loss"] < best["val_loss"]:
+                        best = {"step": s + 1, **{k: v for k, v in line.items()
+                                                  if k.startswith("val_")}}
+                        store.save_drafter(out / BEST_DIR, task, state.params,
+                                           {**meta, "val": best})
                 log.write(json.dumps(line) + "\n")
                 log.flush()
                 history.append(line)
-                bar.set_postfix(loss=f"{line['loss']:.4f}")
+                bar.set_postfix(loss=f"{line['loss']:.4f}", **(
+                    {"val_loss": f"{line['val_loss']:.4f}"} if "val_loss" in line else {}))
             bar.update(1)
             if (s + 1) % cfg.ckpt_every == 0 or s + 1 == cfg.steps:
                 manager.save(s + 1, args=_save_args(state))
@@ -157,10 +208,16 @@ def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, resume: boo
                     manager.wait_until_finished()
                     os._exit(0)  # as a kill would: no cleanup
     manager.wait_until_finished()
-    meta = {"target": store.target_info(target_model), "command": command,
-            "train": dataclasses.asdict(cfg), "data": dataset.meta}
     path = store.save_drafter(out / "drafter", task, state.params, meta)
-    return TrainResult(params=state.params, drafter_path=path, history=history)
+    return TrainResult(params=state.params, drafter_path=path, history=history,
+                       best_path=None if val is None else out / BEST_DIR)
+
+
+def _best_so_far(path: pathlib.Path) -> dict | None:
+    """The "val" record of the best drafter a run already saved (a resumed run), or None."""
+    from jaxdec.spec import store
+
+    return store.read_meta(path).get("val") if (path / store.META).is_file() else None
 
 
 def _log_line(step: int, metrics, lr: float, seconds: float) -> dict:
@@ -169,11 +226,14 @@ def _log_line(step: int, metrics, lr: float, seconds: float) -> dict:
             "seconds": round(seconds, 3)}
 
 
-def _run_record(task, target_model, dataset, cfg: TrainConfig) -> dict:
+def _run_record(task, target_model, dataset, cfg: TrainConfig, val=None) -> dict:
     from jaxdec.spec import store
 
-    return json.loads(json.dumps({"task": task.meta(), "target": store.target_info(target_model),
-                                  "data": dataset.meta, "train": dataclasses.asdict(cfg)}))
+    record = {"task": task.meta(), "target": store.target_info(target_model),
+              "data": dataset.meta, "train": dataclasses.asdict(cfg)}
+    if val is not None:
+        record["val"] = val.meta
+    return json.loads(json.dumps(record))
 
 
 def _claim(out: pathlib.Path, record: dict, resume: bool) -> None:
