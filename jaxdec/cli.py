@@ -176,6 +176,8 @@ def _distill_parser(sub) -> None:
     d.add_argument("--n-new", type=int, default=64, help="target tokens generated per prompt")
     d.add_argument("--gen-batch", type=int, default=8, help="rows per generation batch")
     d.add_argument("--temperature", type=float, default=0.0, help="of the data; 0: greedy")
+    d.add_argument("--samples", type=int, default=1, help="continuations per training prompt "
+                   "(more than 1 needs --temperature > 0)")
     d.add_argument("--windows", type=int, default=0, help="also this many teacher-forced "
                    "windows of training-document text (scored, not generated)")
     d.add_argument("--window-len", type=int, default=128, help="tokens per --windows row")

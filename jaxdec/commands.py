@@ -390,6 +390,7 @@ def distill(args) -> int:
     result = train.distill(model, args.drafter, args.out, cfg, n_prompts=args.n_prompts,
                            n_new=args.n_new, prompt_len=args.prompt_len,
                            gen_batch=args.gen_batch, temperature=args.temperature,
+                           samples=args.samples,
                            windows=args.windows, window_len=args.window_len,
                            val_prompts=args.val_prompts, cache_dir=args.cache_dir,
                            opts=opts, command=" ".join(sys.argv),

@@ -190,6 +190,27 @@ def test_dataset_is_the_targets_greedy_continuation_and_features(tiny, tmp_path,
     assert len(list(tmp_path.iterdir())) == 1  # no temporary file left behind
 
 
+def test_sampled_continuations_several_per_prompt(tiny, tmp_path):
+    """samples=3 at a temperature: each prompt three times over, continued differently (a
+    near-uniform random target gives distinct samples), the mask 0 on the prompts; greedy
+    or scored rows refuse more than one sample."""
+    _, model = tiny
+    rng = np.random.default_rng()
+    prompts = [list(rng.integers(0, VOCAB - 1, 6)) for _ in range(3)]
+    ds = data.make_dataset(model, prompts, n_new=12, batch=2, temperature=1.0, samples=3,
+                           cache_dir=tmp_path)
+    assert len(ds) == 9 and ds.meta["samples"] == 3 and ds.meta["n_prompts"] == 9
+    for i, p in enumerate(prompts):
+        rows = ds.tokens[[i, i + 3, i + 6]]
+        np.testing.assert_array_equal(rows[:, :6], np.asarray([p] * 3))
+        assert len({tuple(r[6:]) for r in rows}) == 3, rows
+    np.testing.assert_array_equal(ds.mask[:, :6], 0)
+    assert_one_line_error(data.make_dataset, model, prompts, n_new=12, batch=2, samples=2,
+                          cache_dir=tmp_path, match="temperature > 0")
+    assert_one_line_error(data.make_dataset, model, prompts, n_new=0, batch=2, samples=2,
+                          temperature=1.0, cache_dir=tmp_path, match="n_new > 0")
+
+
 def test_scored_rows_and_concat(tiny, tmp_path):
     """n_new=0 scores the rows as given (HF's hidden states; every token after the first is
     to be predicted); concat pads narrower rows with mask 0."""

@@ -71,24 +71,25 @@ def make_task(kind: str, target_model, dataset: Dataset, **opts):
 
 def distill(target_model, kind: str, out_dir, cfg: TrainConfig, *, n_prompts: int = 256,
             n_new: int = 64, prompt_len: int = 32, gen_batch: int = 8, temperature: float = 0.0,
+            samples: int = 1,
             windows: int = 0, window_len: int = 128, val_prompts: int = 0, cache_dir=None,
             opts: dict | None = None, command: str = "", resume: bool = True,
             stop_after: int | None = None) -> TrainResult:
-    """Make (or load) the data of `n_prompts` training prompts (and, with `windows`, that
-    many teacher-forced windows of `window_len` training-document tokens: see
-    `jaxdec.train.data`), build drafter `kind`'s task with `opts`, and train it into
-    `out_dir` (resuming a run found there). With `val_prompts`, the target's continuations
-    of that many held-out prompts (`validation_prompts`, made as the training ones are)
-    validate the run, and the best drafter is kept (see `jaxdec.train.loop`)."""
+    """Make (or load) the data of `n_prompts` training prompts (`samples` continuations of
+    each at `temperature`; with `windows`, also that many teacher-forced windows of
+    `window_len` training-document tokens: see `jaxdec.train.data`), build drafter `kind`'s
+    task with `opts`, and train it into `out_dir` (resuming a run found there). With
+    `val_prompts`, the target's greedy continuations of that many held-out prompts
+    (`validation_prompts`; greedy, as the benches decode) validate the run, and the best
+    drafter is kept (see `jaxdec.train.loop`)."""
     tok, taps = target_model.tokenizer, task_taps(kind, target_model.cfg)
     prompts = prompt_set(tok, split="train", prompt_len=prompt_len, n=n_prompts)
     make = partial(make_dataset, target_model, taps=taps, batch=gen_batch, seed=cfg.seed,
                    cache_dir=cache_dir)
     val = None
     if val_prompts:
-        val = make(validation_prompts(tok, val_prompts, prompt_len=prompt_len), n_new=n_new,
-                   temperature=temperature)
-    parts = [make(prompts, n_new=n_new, temperature=temperature)]
+        val = make(validation_prompts(tok, val_prompts, prompt_len=prompt_len), n_new=n_new)
+    parts = [make(prompts, n_new=n_new, temperature=temperature, samples=samples)]
     if windows:
         rows = window_rows(tok, window=window_len, n=windows)
         parts.append(make(rows, n_new=0))

@@ -212,14 +212,23 @@ def batch_rows(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
 
 
 def make_dataset(model, prompts, *, n_new: int, taps: tuple[int, ...] = (), batch: int = 8,
-                 temperature: float = 0.0, seed: int = 0,
+                 temperature: float = 0.0, seed: int = 0, samples: int = 1,
                  cache_dir: str | pathlib.Path | None = None) -> Dataset:
     """The target `model`'s continuations of `prompts` (token rows) of `n_new` tokens, made
     `batch` rows at a time, and their taps; loaded from `cache_dir` when made before.
+    `samples` > 1 (with a temperature): that many sampled continuations of each prompt (the
+    rows are the prompts `samples` times over, each pass in other batches, so with other
+    keys): more of the target's own text from a bounded set of prompts.
     `n_new=0`: the rows themselves, scored (teacher forcing; see the module docstring)."""
     _check_request(model.cfg, prompts, n_new, taps, batch)
+    if samples < 1 or (samples > 1 and not (n_new and temperature > 0)):
+        raise JaxdecError(f"{samples} samples per prompt: samples must be >= 1, and more than "
+                          "one needs generated tokens (n_new > 0) and a temperature > 0 (greedy "
+                          "continuations are all the same)")
+    extra = {"samples": samples} if samples > 1 else {}  # the cache keys of 1 are unchanged
+    prompts = [p for _ in range(samples) for p in prompts]
     meta = _meta(model, prompts, n_new=n_new, taps=tuple(taps), batch=batch,
-                 temperature=temperature, seed=seed)
+                 temperature=temperature, seed=seed, **extra)
     path = pathlib.Path(cache_dir or default_cache_dir()) / _file_name(model, meta)
     if path.is_file():
         return load_dataset(path, meta)
