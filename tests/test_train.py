@@ -104,13 +104,18 @@ def test_prompt_splits_are_disjoint_document_prefixes():
     assert_one_line_error(data.prompt_set, tok, split="test", match="unknown prompt split")
 
 
-def test_validation_prompts_are_the_last_heldout_ones():
-    """Validation takes the held-out split from its end, the benches from its start."""
+def test_validation_prompts_mix_the_corpora_from_the_end():
+    """Validation takes each corpus's held-out prompts from its end, interleaved as the
+    benches' first ones are, and shares none with them."""
     tok = byte_tokenizer()
-    every = data.prompt_set(tok, split="heldout", prompt_len=20)
+    prose, code = (data.prompt_set(tok, split="heldout", prompt_len=20, corpus_names=(c,))
+                   for c in ("prose", "code"))
     val = data.validation_prompts(tok, 7, prompt_len=20)
-    assert val == every[-7:] and len(every) > 40
+    assert val == [prose[-1], code[-1], prose[-2], code[-2], prose[-3], code[-3], prose[-4]]
     assert not {tuple(r) for r in val} & {tuple(r) for r in data.heldout_prompts(tok, 30, prompt_len=20)}
+    every = data.prompt_set(tok, split="heldout", prompt_len=20)
+    assert sorted(map(tuple, data.validation_prompts(tok, len(every), prompt_len=20))) == sorted(
+        map(tuple, every))
     assert_one_line_error(data.validation_prompts, tok, len(every) + 1, prompt_len=20,
                           match="validation prompts")
 

@@ -138,15 +138,19 @@ def heldout_prompts(tokenizer, n: int, *, prompt_len: int = 32) -> list[list[int
     return prompt_set(tokenizer, split="heldout", prompt_len=prompt_len, n=n)
 
 
-def validation_prompts(tokenizer, n: int, *, prompt_len: int = 32) -> list[list[int]]:
-    """`n` held-out prompt rows for validation during training: the last ones, so a drafter
-    chosen by its validation loss is benched on prompts it was not chosen on (as long as
-    the bench takes fewer than all held-out prompts minus `n`)."""
-    rows = prompt_set(tokenizer, split="heldout", prompt_len=prompt_len)
+def validation_prompts(tokenizer, n: int, *, prompt_len: int = 32,
+                       corpus_names: tuple[str, ...] = corpora.CORPORA) -> list[list[int]]:
+    """`n` held-out prompt rows for validation during training: each corpus's held-out
+    prompts taken from the end, interleaved as the benches' first ones are (so both mix the
+    corpora alike), and none of the benches' as long as a bench takes fewer of a corpus's
+    held-out prompts than it has minus its share of `n`."""
+    per_corpus = [prompt_set(tokenizer, split="heldout", prompt_len=prompt_len,
+                             corpus_names=(name,))[::-1] for name in corpus_names]
+    rows = [row for group in _interleave(per_corpus) for row in group]
     if not 0 < n <= len(rows):
         raise JaxdecError(f"asked for {n} validation prompts of {prompt_len} tokens; the "
                           f"corpora's held-out documents have {len(rows)}")
-    return rows[-n:]
+    return rows[:n]
 
 
 # ---------------------------------------------------------------------------- dataset
