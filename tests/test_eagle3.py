@@ -22,6 +22,7 @@ from jaxdec.models import transformer
 from jaxdec.quant.qarray import QArray
 from jaxdec.spec import core, drafters, eagle3
 from jaxdec.spec.tree import TreeSpec
+from jaxdec.train import loop
 from conftest import assert_one_line_error
 from tests import tiny_hf
 
@@ -407,6 +408,33 @@ def test_greedy_speculation_is_lossless(tiny, trained, tree, weights):
                            prompts, lens, jax.random.key(0), limits, drafter=drafter, **run)
     np.testing.assert_array_equal(np.asarray(got.tokens[:, :new]), np.asarray(want.tokens))
     assert int(jnp.sum(got.accepted[1:])) > 0, np.asarray(got.accepted)
+
+
+def test_replayed_chains_match_speculative_decoding(tiny, trained):
+    """The validation replay (`draft_chains` on the target's greedy continuation, one
+    teacher-forced pass, then `replay_chains`) gives the accepted-length histogram that
+    speculative decoding of those prompts measures (16 training prompts: drafts accepted)."""
+    task, params, _, prompts = trained
+    b, plen, new, limit = *prompts.shape, 24, 16
+    cache = dense.init_cache(tiny.cfg, b, plen + new)
+    run = dict(sampler=sampling.Greedy(), cfg=tiny.cfg)
+    out, _ = decode.generate_tokens(tiny.params, cache, jnp.asarray(prompts), jnp.full(b, plen, jnp.int32),
+                                    jax.random.key(0), jnp.full(b, new, jnp.int32), max_new_tokens=new, **run)
+    tokens = jnp.concatenate([jnp.asarray(prompts), out.tokens], 1)
+    mask = np.concatenate([np.zeros((b, plen)), np.ones((b, new))], 1)
+    _, taps = target_features(tiny, tokens)
+    drafts = jax.jit(task.draft_chains)(params, task.frozen(tiny), {"tokens": tokens,
+                                                                    "taps": jnp.stack(taps, 2)})
+    hist, emitted = loop.replay_chains(np.asarray(drafts), np.asarray(tokens), mask, n_new=limit)
+    drafter = task.drafter(params)
+    cap = core.need_capacity(plen, limit, drafter)
+    got, _ = core.generate(tiny.params, drafter.params, dense.init_cache(tiny.cfg, b, cap),
+                           jnp.asarray(prompts), jnp.full(b, plen, jnp.int32), jax.random.key(0),
+                           jnp.full(b, limit, jnp.int32), drafter=drafter, max_new_tokens=limit, **run)
+    real = core.stats(got)
+    assert sum(real["accepted_hist"][1:]) > 10, real
+    assert np.abs(hist - np.asarray(real["accepted_hist"])).sum() <= 2, (hist, real)
+    assert abs(emitted / hist.sum() - real["mean_accepted"]) < 0.05, (hist, real)
 
 
 def test_draft_tree_and_weights_option_errors(tiny, trained):

@@ -343,6 +343,25 @@ def test_validation_logs_and_keeps_the_best_drafter(tiny, tiny_data, tmp_path):
                           match=r"other settings \(train\)")
 
 
+def test_replay_chains_counts_rounds_as_a_decoder_would():
+    """A row of 8 generated tokens (positions 2..9), k=2, drafts set by hand: round 1 (context
+    ends at 1) keeps both drafts, round 2 (at 4) none although its second draft matches,
+    round 3 (at 5) one, round 4 (at 7) one (its second would be past the data); the last
+    round's token past the 8th is not counted. A masked-out row adds nothing."""
+    rng = np.random.default_rng()
+    tokens = rng.permutation(1000)[:20].reshape(2, 10) + 1
+    mask = np.zeros((2, 10))
+    mask[0, 2:] = 1
+    drafts = np.full((2, 2, 10), -1)
+    for j, i, pos in ((0, 1, 3), (1, 1, 4), (1, 4, 7), (0, 5, 7), (0, 7, 9), (0, 2, 4)):
+        drafts[j, 0, i] = tokens[0, pos]
+    drafts[0, 1] = tokens[1]  # the masked row's "matches" must not count
+    hist, emitted = loop.replay_chains(drafts, tokens, mask)
+    assert hist.tolist() == [1, 2, 1] and emitted == 7
+    hist, emitted = loop.replay_chains(drafts, tokens, mask, n_new=5)
+    assert hist.tolist() == [1, 0, 1] and emitted == 4
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """The tiny Llama saved as a jaxdec checkpoint with a byte tokenizer (for the CLI)."""

@@ -604,6 +604,18 @@ class Eagle3Task:
         loss, metrics = ttt_loss(logits, target, batch["mask"])
         return loss, {"loss": loss, **metrics}
 
+    def draft_chains(self, params: Eagle3Params, frozen: Frozen, batch) -> jax.Array:
+        """i32[k, B, T]: the target ids the drafter proposes, teacher-forced: entry [j, :, i]
+        is draft j + 1 of the chain whose verified context ends at position i (it proposes
+        x_{i+j+2}), the unroll run for all k drafts (past the trained steps too), as a
+        chain round drafts them (see `jaxdec.train.loop.replay_chains`)."""
+        tokens = batch["tokens"]
+        b, t = tokens.shape
+        params = with_head(params, lambda: _dense(frozen.head).astype(params.fc.dtype))
+        logits = ttt_logits(params, frozen.embed, batch["taps"].reshape(b, t, -1), tokens,
+                            self.k, self.cfg)
+        return jnp.asarray(self.d2t, jnp.int32)[jnp.argmax(logits, -1)]
+
     def drafter(self, params) -> Eagle3:
         dp = None if params is None else DrafterParams(
             net=with_head(params, lambda: self.target_head), d2t=jnp.asarray(self.d2t, jnp.int32), embed=self.table)

@@ -16,7 +16,10 @@ task's metrics, grad_norm, lr, and seconds since this call started training.
 Given validation data (`train(..., val=dataset)`: the target's continuations of held-out
 prompts), every `eval_every` steps and at the end the loss and the task's metrics are
 averaged over it (whole batches of `batch_size` rows, a fixed key) and logged on that
-step's line as `val_loss`, `val_<metric>`. The params with the lowest `val_loss` so far are
+step's line as `val_loss`, `val_<metric>`. A task with `draft_chains` (EAGLE-3) on greedy
+validation data also gets `val_mal` and `val_accept_<j>`: greedy chain speculation
+replayed on those rows (`replay_chains`), the mean accepted length and acceptance by
+position a bench would measure on those prompts, from one teacher-forced pass. The params with the lowest `val_loss` so far are
 saved as a drafter in `out_dir/best` (their step and values in its drafter.json, under
 "val"), so a run that trained past its best still hands the best one over; a resumed run
 takes the best so far from there.
@@ -142,12 +145,58 @@ def make_evaluator(task, dataset, batch_size: int, seed: int):
             loss, metrics = task.loss(params, frozen, batch, key)
         return {**metrics, "loss": loss}
 
+    chains = None
+    if hasattr(task, "draft_chains") and dataset.meta.get("n_new") and \
+            dataset.meta.get("temperature") == 0:  # greedy rows: the next token is the target's
+        chains = jax.jit(task.draft_chains)
+
     def evaluate(params, frozen) -> dict[str, float]:
         runs = [one(params, frozen, b, jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
         means = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *runs))
-        return {f"val_{k}": float(v) for k, v in means.items()}
+        out = {f"val_{k}": float(v) for k, v in means.items()}
+        if chains is not None:
+            hist, emitted = 0, 0
+            for b in batches:
+                h, e = replay_chains(np.asarray(chains(params, frozen, b)), b["tokens"], b["mask"])
+                hist, emitted = hist + h, emitted + e
+            rounds = max(int(hist.sum()), 1)
+            out["val_mal"] = emitted / rounds
+            out.update({f"val_accept_{j}": float(hist[j:].sum()) / rounds
+                        for j in range(1, len(hist))})
+        return out
 
     return evaluate
+
+
+def replay_chains(drafts, tokens, mask, n_new: int | None = None):
+    """Greedy chain speculation replayed on rows of the target's greedy continuations ->
+    (hist i64[k + 1]: rounds that accepted exactly a drafts, tokens the rounds emitted).
+
+    drafts i32[k, B, T] (a task's `draft_chains`: [j, :, i] proposes x_{i+j+2} from the
+    context ending at i); tokens [B, T]; mask [B, T], 1 on the generated tokens. As
+    `jaxdec.spec.core` decodes: the prefill gives each row's first new token, then each
+    round drafts k tokens from the context so far, keeps the longest prefix that matches
+    the target's tokens and adds the target's next one, until `n_new` tokens (default: all
+    the row's generated ones; drafts are checked against every generated token there is).
+    Emitted tokens leave the prefill's out and stop at `n_new`, as `core.stats` counts
+    them, so emitted / rounds is the mean accepted length."""
+    k = drafts.shape[0]
+    hist, emitted = np.zeros(k + 1, np.int64), 0
+    for r in range(tokens.shape[0]):
+        gen = np.flatnonzero(np.asarray(mask[r]) > 0)
+        if len(gen) == 0:
+            continue
+        start, end = int(gen[0]), int(gen[-1]) + 1
+        n = end - start if n_new is None else min(n_new, end - start)
+        i, produced = start - 1, 1  # the context ends at i; x_{i+1} is known
+        while produced < n:
+            a = 0
+            while a < k and i + a + 2 < end and drafts[a, r, i] == tokens[r, i + a + 2]:
+                a += 1
+            hist[a] += 1
+            emitted += min(a + 1, n - produced)
+            produced, i = produced + a + 1, i + a + 1
+    return hist, emitted
 
 
 @dataclasses.dataclass(frozen=True)
