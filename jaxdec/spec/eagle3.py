@@ -266,6 +266,21 @@ def ttt_attention(q, k0, v0, own: list) -> jax.Array:
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
+def _feats(batch) -> jax.Array:
+    """A batch's taps [B, T, n_taps, D] as the fused input's [B, T, n_taps * D]."""
+    b, t = batch["tokens"].shape
+    return batch["taps"].reshape(b, t, -1)
+
+
+def chain_drafts(net: Eagle3Params, embed: transformer.Params, d2t, feats, tokens, steps: int,
+                 cfg: Eagle3Config) -> jax.Array:
+    """i32[steps, B, T]: the target ids of `ttt_logits`' argmaxes: entry [j, :, i] is draft
+    j + 1 of a greedy chain whose verified context ends at i (it proposes x_{i+j+2}), for
+    `jaxdec.train.loop.replay_chains`."""
+    logits = ttt_logits(net, embed, feats, tokens, steps, cfg)
+    return jnp.asarray(d2t, jnp.int32)[jnp.argmax(logits, -1)]
+
+
 def ttt_logits(net: Eagle3Params, embed: transformer.Params, feats, tokens, steps: int,
                cfg: Eagle3Config) -> jax.Array:
     """f32[steps, B, T, V_draft]: the training-time-test unroll over whole sequences
@@ -594,11 +609,8 @@ class Eagle3Task:
     def loss(self, params: Eagle3Params, frozen: Frozen, batch, rng):
         """Weighted multi-step forward KL to the target on the draft vocabulary."""
         del rng
-        tokens = batch["tokens"]
-        b, t = tokens.shape
-        feats = batch["taps"].reshape(b, t, -1)
-        params = with_head(params, lambda: _dense(frozen.head).astype(params.fc.dtype))
-        logits = ttt_logits(params, frozen.embed, feats, tokens, self.unroll, self.cfg)
+        logits = ttt_logits(self._whole(params, frozen), frozen.embed,
+                            _feats(batch), batch["tokens"], self.unroll, self.cfg)
         final = batch["final"].astype(jnp.float32)
         target = xla_linear(final, frozen.head.astype(jnp.float32))
         loss, metrics = ttt_loss(logits, target, batch["mask"])
@@ -609,12 +621,13 @@ class Eagle3Task:
         is draft j + 1 of the chain whose verified context ends at position i (it proposes
         x_{i+j+2}), the unroll run for all k drafts (past the trained steps too), as a
         chain round drafts them (see `jaxdec.train.loop.replay_chains`)."""
-        tokens = batch["tokens"]
-        b, t = tokens.shape
-        params = with_head(params, lambda: _dense(frozen.head).astype(params.fc.dtype))
-        logits = ttt_logits(params, frozen.embed, batch["taps"].reshape(b, t, -1), tokens,
-                            self.k, self.cfg)
-        return jnp.asarray(self.d2t, jnp.int32)[jnp.argmax(logits, -1)]
+        return chain_drafts(self._whole(params, frozen), frozen.embed, self.d2t, _feats(batch),
+                            batch["tokens"], self.k, self.cfg)
+
+    @staticmethod
+    def _whole(params: Eagle3Params, frozen: Frozen) -> Eagle3Params:
+        """`params` with a frozen head filled in from the target's columns, as trained."""
+        return with_head(params, lambda: _dense(frozen.head).astype(params.fc.dtype))
 
     def drafter(self, params) -> Eagle3:
         dp = None if params is None else DrafterParams(

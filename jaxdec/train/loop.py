@@ -134,38 +134,46 @@ def make_train_step(task, optimizer):
 def make_evaluator(task, dataset, batch_size: int, seed: int):
     """evaluate(params, frozen) -> {"val_loss": ..., "val_<metric>": ...}: the task's loss
     and metrics averaged over the batches of `dataset` (consecutive rows in whole batches of
-    min(batch_size, rows); a ragged tail is left out), each batch with its own fixed key."""
+    min(batch_size, rows); a ragged tail is left out), each batch with its own fixed key;
+    with `draft_chains` on greedy rows also val_mal and val_accept_<j> (`replay_chains`).
+    One jitted call maps over all the batches."""
     bs = min(batch_size, len(dataset))
-    batches = [dataset.rows(np.arange(i * bs, (i + 1) * bs)) for i in range(len(dataset) // bs)]
-    base = jax.random.PRNGKey(seed)
+    n = len(dataset) // bs
+    rows = dataset.rows(np.arange(n * bs))
+    stacked = {k: v.reshape(n, bs, *v.shape[1:]) for k, v in rows.items()}
+    keys = jax.vmap(partial(jax.random.fold_in, jax.random.PRNGKey(seed)))(jnp.arange(n))
+    # greedy rows: the next token is the target's, so drafts can be checked against it
+    chains = (hasattr(task, "draft_chains") and dataset.meta.get("n_new")
+              and dataset.meta.get("temperature") == 0)
 
     @jax.jit
-    def one(params, frozen, batch, key):
-        with cpu_kernel.xla_only():  # as the training step computes it
-            loss, metrics = task.loss(params, frozen, batch, key)
-        return {**metrics, "loss": loss}
-
-    chains = None
-    if hasattr(task, "draft_chains") and dataset.meta.get("n_new") and \
-            dataset.meta.get("temperature") == 0:  # greedy rows: the next token is the target's
-        chains = jax.jit(task.draft_chains)
+    def run(params, frozen, stacked, keys):
+        def one(xs):
+            batch, key = xs
+            with cpu_kernel.xla_only():  # as the training step computes it
+                loss, metrics = task.loss(params, frozen, batch, key)
+                drafts = task.draft_chains(params, frozen, batch) if chains else None
+            return {**metrics, "loss": loss}, drafts
+        metrics, drafts = jax.lax.map(one, (stacked, keys))
+        return jax.tree.map(jnp.mean, metrics), drafts
 
     def evaluate(params, frozen) -> dict[str, float]:
-        runs = [one(params, frozen, b, jax.random.fold_in(base, i)) for i, b in enumerate(batches)]
-        means = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *runs))
+        means, drafts = jax.device_get(run(params, frozen, stacked, keys))
         out = {f"val_{k}": float(v) for k, v in means.items()}
-        if chains is not None:
-            hist, emitted = 0, 0
-            for b in batches:
-                h, e = replay_chains(np.asarray(chains(params, frozen, b)), b["tokens"], b["mask"])
-                hist, emitted = hist + h, emitted + e
-            rounds = max(int(hist.sum()), 1)
-            out["val_mal"] = emitted / rounds
-            out.update({f"val_accept_{j}": float(hist[j:].sum()) / rounds
-                        for j in range(1, len(hist))})
+        if chains:  # [n, k, bs, T] -> [k, n * bs, T], the rows' order
+            drafts = np.moveaxis(drafts, 0, 1).reshape(drafts.shape[1], n * bs, -1)
+            hist, emitted = replay_chains(drafts, rows["tokens"], rows["mask"])
+            out.update(chain_stats(hist, emitted, prefix="val_"))
         return out
 
     return evaluate
+
+
+def chain_stats(hist, emitted: int, prefix: str = "") -> dict[str, float]:
+    """{mal, accept_1..k} of a replay's (hist, emitted), as `jaxdec.spec.core.stats`."""
+    rounds = max(int(hist.sum()), 1)
+    return {f"{prefix}mal": emitted / rounds,
+            **{f"{prefix}accept_{j}": float(hist[j:].sum()) / rounds for j in range(1, len(hist))}}
 
 
 def replay_chains(drafts, tokens, mask, n_new: int | None = None):
