@@ -171,6 +171,8 @@ def _distill_parser(sub) -> None:
                    "validation loss's drafter is kept in OUT/best")
     d.add_argument("--eval-every", type=int, default=100, help="steps between validations")
     d.add_argument("--no-resume", action="store_true", help="refuse a run already in --out")
+    d.add_argument("--init", metavar="DIR", help="warm-start from this saved drafter's params "
+                   "(same kind, shapes and draft vocabulary; a new optimiser and schedule)")
     d.add_argument("--n-prompts", type=int, default=256, help="training prompts from the corpora")
     d.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     d.add_argument("--n-new", type=int, default=64, help="target tokens generated per prompt")

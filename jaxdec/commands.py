@@ -394,7 +394,8 @@ def distill(args) -> int:
                            windows=args.windows, window_len=args.window_len,
                            val_prompts=args.val_prompts, cache_dir=args.cache_dir,
                            opts=opts, command=" ".join(sys.argv),
-                           resume=not args.no_resume, stop_after=args.stop_after)
+                           resume=not args.no_resume, stop_after=args.stop_after,
+                           init_from=args.init)
     last = result.history[-1] if result.history else {}
     print(f"drafter {args.drafter} for {args.target}: {result.drafter_path} (step "
           f"{last.get('step', '?')}, loss {last.get('loss', float('nan')):.4f}; "

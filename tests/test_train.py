@@ -362,6 +362,35 @@ def test_replay_chains_counts_rounds_as_a_decoder_would():
     assert hist.tolist() == [1, 0, 1] and emitted == 4
 
 
+def test_warm_start_begins_from_the_saved_drafter(tiny, tiny_data, tmp_path):
+    """init_from: the new run's first loss is the saved params' loss on its first batch
+    (a fresh init's is far higher); k may change, shapes may not; the run records the
+    source, so resuming it with another is refused."""
+    _, model = tiny
+    task = small.SmallDistill.for_target(model, tiny_data, layers=1, k=3)
+    cfg = loop.TrainConfig(steps=12, batch_size=4, lr=1e-2, log_every=1, ckpt_every=50,
+                           seed=3)
+    first = loop.train(task, model, tiny_data, cfg, tmp_path / "a")
+    again = dataclasses.replace(task, k=5)
+    cfg2 = dataclasses.replace(cfg, steps=4, seed=4)
+    warm = loop.train(again, model, tiny_data, cfg2, tmp_path / "b",
+                      init_from=first.drafter_path)
+    batch = tiny_data.batch(0, cfg2.batch_size, cfg2.seed)
+    want, _ = jax.jit(again.loss)(first.params, again.frozen(model), batch, None)
+    np.testing.assert_allclose(warm.history[0]["loss"], float(want), rtol=1e-5)
+    cold, _ = jax.jit(again.loss)(again.init(None), again.frozen(model), batch, None)
+    assert float(want) < 0.7 * float(cold), (float(want), float(cold))
+    assert json.loads((tmp_path / "b" / loop.RUN_FILE).read_text())["init"] == str(
+        first.drafter_path)
+    assert_one_line_error(loop.train, again, model, tiny_data, cfg2, tmp_path / "b",
+                          init_from=tmp_path / "a" / "ckpt", match=r"other settings \(init\)")
+    assert_one_line_error(loop.train, again, model, tiny_data, cfg2, tmp_path / "c",
+                          init_from=tmp_path / "a" / "ckpt", match="no drafter.json")
+    deeper = small.SmallDistill.for_target(model, tiny_data, layers=2)
+    assert_one_line_error(loop.train, deeper, model, tiny_data, cfg2, tmp_path / "d",
+                          init_from=first.drafter_path, match=r"differs in config, layers\)")
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """The tiny Llama saved as a jaxdec checkpoint with a byte tokenizer (for the CLI)."""

@@ -87,21 +87,49 @@ def read_meta(path) -> dict:
 def load_drafter(path, target_model):
     """The drafter saved in `path`, with its params, for `target_model` (refused when it
     was trained for another target)."""
-    import orbax.checkpoint as ocp
-
     path = pathlib.Path(path).absolute()
     record = read_meta(path)
     check_target(record.get("target"), target_model, path)
     rebuild = _kind_function(record.get("kind"))
+    params = _restore(path, lambda: from_skeleton(record["params"]))
+    return rebuild(record["drafter"], params, target_model)
+
+
+def _restore(path: pathlib.Path, abstract):
+    """The params saved under `path`/params, shaped as `abstract()` describes."""
+    import orbax.checkpoint as ocp
+
     try:
-        abstract = from_skeleton(record["params"])
-        params = ocp.StandardCheckpointer().restore(path / "params", abstract)
+        return ocp.StandardCheckpointer().restore(path / "params", abstract())
     except JaxdecError:
         raise
     except Exception as e:  # orbax raises many types for damaged checkpoints
         raise JaxdecError(f"{path}: cannot restore drafter parameters ({e.__class__.__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:200]})") from None
-    return rebuild(record["drafter"], params, target_model)
+
+
+# the meta() entries a warm start may change: how a drafter drafts and trains, not its shapes
+WARM_START_FREE = ("k", "tree", "unroll")
+
+
+def load_params(path, task, like, target_model):
+    """The trainable params saved in drafter directory `path`, to warm-start `task`: the
+    drafter must be `task`'s kind for `target_model`, with `task.meta()` equal but for
+    `WARM_START_FREE`, and params shaped as `like` (the task's fresh init)."""
+    path = pathlib.Path(path).absolute()
+    record = read_meta(path)
+    check_target(record.get("target"), target_model, path)
+    want, have = dict(task.meta()), dict(record.get("drafter") or {})
+    differ = sorted(k for k in set(want) | set(have)
+                    if k not in WARM_START_FREE and want.get(k) != have.get(k))
+    if record.get("kind") != want.get("kind", task.name) or differ:
+        what = ", ".join(differ) if differ else f"kind {record.get('kind')!r}"
+        raise JaxdecError(f"{path}: cannot warm-start this {task.name} drafter from it "
+                          f"(it differs in {what})")
+    if record.get("params") != skeleton(like):
+        raise JaxdecError(f"{path}: its params are not shaped as this drafter's")
+    return _restore(path, lambda: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like))
 
 
 def check_target(saved: dict | None, target_model, path) -> None:

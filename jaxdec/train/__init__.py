@@ -74,14 +74,15 @@ def distill(target_model, kind: str, out_dir, cfg: TrainConfig, *, n_prompts: in
             samples: int = 1,
             windows: int = 0, window_len: int = 128, val_prompts: int = 0, cache_dir=None,
             opts: dict | None = None, command: str = "", resume: bool = True,
-            stop_after: int | None = None) -> TrainResult:
+            stop_after: int | None = None, init_from=None) -> TrainResult:
     """Make (or load) the data of `n_prompts` training prompts (`samples` continuations of
     each at `temperature`; with `windows`, also that many teacher-forced windows of
     `window_len` training-document tokens: see `jaxdec.train.data`), build drafter `kind`'s
     task with `opts`, and train it into `out_dir` (resuming a run found there). With
     `val_prompts`, the target's greedy continuations of that many held-out prompts
     (`validation_prompts`; greedy, as the benches decode) validate the run, and the best
-    drafter is kept (see `jaxdec.train.loop`)."""
+    drafter is kept (see `jaxdec.train.loop`). `init_from`: a saved drafter directory
+    to warm-start from (`jaxdec.train.loop.train`)."""
     tok, taps = target_model.tokenizer, task_taps(kind, target_model.cfg)
     prompts = prompt_set(tok, split="train", prompt_len=prompt_len, n=n_prompts)
     make = partial(make_dataset, target_model, taps=taps, batch=gen_batch, seed=cfg.seed,
@@ -97,4 +98,4 @@ def distill(target_model, kind: str, out_dir, cfg: TrainConfig, *, n_prompts: in
     del parts  # the joined copy is what trains
     task = make_task(kind, target_model, dataset, **(opts or {}))
     return train(task, target_model, dataset, cfg, pathlib.Path(out_dir), val=val,
-                 resume=resume, command=command, stop_after=stop_after)
+                 resume=resume, command=command, stop_after=stop_after, init_from=init_from)

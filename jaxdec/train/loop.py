@@ -23,6 +23,11 @@ position a bench would measure on those prompts, from one teacher-forced pass. T
 saved as a drafter in `out_dir/best` (their step and values in its drafter.json, under
 "val"), so a run that trained past its best still hands the best one over; a resumed run
 takes the best so far from there.
+
+`train(..., init_from=DIR)` warm-starts a fresh run from the params of a drafter saved in
+DIR (the same kind, shapes and vocabulary map; `jaxdec.spec.store.load_params`), with a
+new optimiser state and schedule: to train a drafter further, or on other data. The run
+records DIR, and resuming it continues from its own checkpoints.
 """
 
 from __future__ import annotations
@@ -216,20 +221,26 @@ class TrainResult:
 
 
 def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, val=None,
-          resume: bool = True, command: str = "", stop_after: int | None = None) -> TrainResult:
+          resume: bool = True, command: str = "", stop_after: int | None = None,
+          init_from=None) -> TrainResult:
     """Train `task` on `dataset`, checkpointing into `out_dir` (see the module docstring);
     save the drafter to `out_dir/drafter`, and with validation data `val` the best one to
-    `out_dir/best`. `stop_after` (a debugging aid for the resume test) ends the process
+    `out_dir/best`; with `init_from`, a fresh run starts from that drafter's params.
+    `stop_after` (a debugging aid for the resume test) ends the process
     with os._exit right after step `stop_after`'s checkpoint."""
     from tqdm import tqdm
 
     from jaxdec.spec import store
 
     out = pathlib.Path(out_dir).absolute()
-    _claim(out, _run_record(task, target_model, dataset, cfg, val), resume)
+    init_from = None if init_from is None else pathlib.Path(init_from).absolute()
+    _claim(out, _run_record(task, target_model, dataset, cfg, val, init_from), resume)
     optimizer = make_optimizer(cfg)
     manager = _manager(out / "ckpt")
     state, start = _restore_or_init(manager, task, optimizer, cfg.seed, resume)
+    if start == 0 and init_from is not None:
+        params = store.load_params(init_from, task, state.params, target_model)
+        state = dataclasses.replace(state, params=params, opt_state=optimizer.init(params))
     history = _trim_metrics(out / METRICS_FILE, start)
     step_fn, frozen = make_train_step(task, optimizer), task.frozen(target_model)
     evaluate = None if val is None else make_evaluator(task, val, cfg.batch_size, cfg.seed)
@@ -283,13 +294,16 @@ def _log_line(step: int, metrics, lr: float, seconds: float) -> dict:
             "seconds": round(seconds, 3)}
 
 
-def _run_record(task, target_model, dataset, cfg: TrainConfig, val=None) -> dict:
+def _run_record(task, target_model, dataset, cfg: TrainConfig, val=None,
+                init_from: pathlib.Path | None = None) -> dict:
     from jaxdec.spec import store
 
     record = {"task": task.meta(), "target": store.target_info(target_model),
               "data": dataset.meta, "train": dataclasses.asdict(cfg)}
     if val is not None:
         record["val"] = val.meta
+    if init_from is not None:
+        record["init"] = str(init_from)
     return json.loads(json.dumps(record))
 
 
