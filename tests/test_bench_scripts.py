@@ -63,6 +63,8 @@ def test_bench_jaxdec_only(tmp_path):
     assert "error" not in run, run["error"]
     assert set(run["decode_tok_s"]) == {"1", "2"} and run["prefill_tok_s"] > 0
     assert len(run["greedy_ids"]) == 8
+    assert run["streamed_decode_tok_s"] > 0 and run["stream_ratio"] > 0
+    assert "streamed / one-jit decode" in r.stdout
     assert report["bandwidth_gbs"] > 0 and report["ceiling_tok_s"]["gguf"]["1"] > 0
     assert "ratios" in r.stdout
 
