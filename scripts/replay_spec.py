@@ -40,11 +40,11 @@ def main(argv=None) -> int:
     except JaxdecError as e:
         print(f"replay_spec: error: {e}", file=sys.stderr)
         return 2
-    dp, b = drafter.params, len(ds)
+    dp, rows = drafter.params, ds.rows(np.arange(len(ds)))
     with cpu_kernel.xla_only():
         drafts = np.asarray(jax.jit(eagle3.chain_drafts, static_argnums=(5, 6))(
-            dp.net, dp.embed, dp.d2t, ds.taps.reshape(b, ds.tokens.shape[1], -1), ds.tokens,
-            drafter.k, drafter.cfg))
+            dp.net, dp.embed, dp.d2t, eagle3.batch_feats(rows), ds.tokens, drafter.k,
+            drafter.cfg))
     hist, emitted = loop.replay_chains(drafts, ds.tokens, ds.mask, n_new=args.new_tokens)
     stats = loop.chain_stats(hist, emitted)
     later = ds.mask[:, 2:] > 0  # positions whose token a first draft proposes

@@ -67,16 +67,14 @@ def run_jaxdec(run) -> None:
 
     peers._measure(run, greedy_fn, prefill_fn)
     prompt, n_new = [int(t) for t in spec["prompt_ids"]], int(spec["new_tokens"])
-    _streaming(run, model, generate_ids, spec,
+    _streaming(run, model, generate_ids, prompt, n_new,
                lambda: (n_new - 1) / generation(1, prompt, n_new)[1])
 
 
-def _streaming(run, model, generate_ids, spec, one_jit) -> None:
+def _streaming(run, model, generate_ids, prompt: list[int], n_new: int, one_jit) -> None:
     """Batch-1 decode rate through the streamed path (chunks of 4 ids handed to a callback),
     and its ratio to the one-jit rate (`one_jit()`, tok/s) in interleaved pairs, so the
     machine's drift over the run does not enter the ratio (the median pair's)."""
-    prompt = [int(t) for t in spec["prompt_ids"]]
-    n_new = int(spec["new_tokens"])
     seen = []
 
     def stream(step, ids, active):
@@ -90,7 +88,7 @@ def _streaming(run, model, generate_ids, spec, one_jit) -> None:
         return (n_new - 1) / (seen[-1][0] - first)
 
     once()
-    pairs = [(one_jit(), once()) for _ in range(max(1, int(spec.get("repeats", 1))))]
+    pairs = [(one_jit(), once()) for _ in range(max(1, int(run.spec.get("repeats", 1))))]
     run.result["streamed_decode_tok_s"] = round(float(np.median([s for _, s in pairs])), 3)
     run.result["stream_ratio"] = round(float(np.median([s / j for j, s in pairs])), 3)
     run.snapshot()

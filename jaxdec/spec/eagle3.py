@@ -266,7 +266,7 @@ def ttt_attention(q, k0, v0, own: list) -> jax.Array:
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _feats(batch) -> jax.Array:
+def batch_feats(batch) -> jax.Array:
     """A batch's taps [B, T, n_taps, D] as the fused input's [B, T, n_taps * D]."""
     b, t = batch["tokens"].shape
     return batch["taps"].reshape(b, t, -1)
@@ -610,7 +610,7 @@ class Eagle3Task:
         """Weighted multi-step forward KL to the target on the draft vocabulary."""
         del rng
         logits = ttt_logits(self._whole(params, frozen), frozen.embed,
-                            _feats(batch), batch["tokens"], self.unroll, self.cfg)
+                            batch_feats(batch), batch["tokens"], self.unroll, self.cfg)
         final = batch["final"].astype(jnp.float32)
         target = xla_linear(final, frozen.head.astype(jnp.float32))
         loss, metrics = ttt_loss(logits, target, batch["mask"])
@@ -621,8 +621,8 @@ class Eagle3Task:
         is draft j + 1 of the chain whose verified context ends at position i (it proposes
         x_{i+j+2}), the unroll run for all k drafts (past the trained steps too), as a
         chain round drafts them (see `jaxdec.train.loop.replay_chains`)."""
-        return chain_drafts(self._whole(params, frozen), frozen.embed, self.d2t, _feats(batch),
-                            batch["tokens"], self.k, self.cfg)
+        return chain_drafts(self._whole(params, frozen), frozen.embed, self.d2t,
+                            batch_feats(batch), batch["tokens"], self.k, self.cfg)
 
     @staticmethod
     def _whole(params: Eagle3Params, frozen: Frozen) -> Eagle3Params:
