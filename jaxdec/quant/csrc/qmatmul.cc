@@ -127,6 +127,8 @@ int env_int(const char* name, int dflt) {
 std::atomic<int> g_active_threads{0};  // cap on threads per call; 0: all the pool's
 std::atomic<int> g_panel_min_m{env_int("JAXDEC_CPU_PANEL_MIN_M", 8)};  // M above: panel path
 std::atomic<int> g_spin_us{env_int("JAXDEC_CPU_SPIN_US", 100)};        // worker spin before sleep
+// Software prefetching of W (see prefetch_offset); 0 leaves it to the hardware prefetchers.
+std::atomic<int> g_prefetch{env_int("JAXDEC_CPU_PREFETCH", 1)};
 // Smaller matrices (code bytes x M) run on the calling thread alone.
 std::atomic<int64_t> g_min_parallel_bytes{env_int("JAXDEC_CPU_MIN_PARALLEL_BYTES", 24 * 1024)};
 
@@ -241,6 +243,7 @@ void scalar_range(const Job& J, int64_t u0, int64_t u1) {
 // The dense formats use the same rule (their rows are 2-4x longer, so "next group" is within
 // 128 KiB only for narrow matrices or short groups).
 QMM_INLINE int64_t prefetch_offset(const Job& J, int64_t gi) {
+  if (!g_prefetch.load(std::memory_order_relaxed)) return 0;
   const int64_t row_bytes = J.N * elem_bytes(J.fmt), rows = J.fmt == kInt4 ? J.g / 2 : J.g;
   if (rows * row_bytes <= 128 * 1024) return gi + 1 < J.G ? rows * row_bytes : 0;
   return 256;
@@ -1203,7 +1206,19 @@ void amx_round_x(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 // Rows of W per group (a blocking of K only) for the dense formats, on the register path
 // (M <= panel_min_m: the group's partial sums stay in registers across g rows, y is updated
 // once per group) and on the panel path.
-std::atomic<int> g_dense_group{env_int("JAXDEC_CPU_DENSE_GROUP", 16)};
+// The register path reads a group's g rows side by side, 64 columns at a time: g read streams
+// at a stride of one row.  16 was tuned on Intel (Sapphire Rapids).  AMD Zen 4's prefetchers
+// keep up with 8 and not with 16: cache-cold f32 matrix-vector products stream about 1.4x
+// faster with 8 (SmolLM2's shapes, 16-19 -> 24-31 GB/s, and f32 decode 32 -> 38 tok/s;
+// session 19, scripts/matvec_traversal.c and `jaxdec bench` with JAXDEC_CPU_DENSE_GROUP).
+int default_dense_group() {
+#if QMM_X86 && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("amd")) return 8;
+#endif
+  return 16;
+}
+std::atomic<int> g_dense_group{env_int("JAXDEC_CPU_DENSE_GROUP", default_dense_group())};
 std::atomic<int> g_dense_group_panel{env_int("JAXDEC_CPU_DENSE_GROUP_PANEL", 256)};
 // K slabs (see Job::slabs): bytes of W per slab (0: never split K), and the longest row of W
 // (bytes) for which K is split.
@@ -2009,6 +2024,7 @@ void jaxdec_qmm_set_adaptive(int on) {
   g_adapt.enabled = on != 0;
   g_adapt.serial_until = {};
 }
+void jaxdec_qmm_set_prefetch(int on) { g_prefetch.store(on != 0); }
 void jaxdec_qmm_set_spin_us(int us) { g_spin_us.store(us < 0 ? 0 : us); }
 void jaxdec_qmm_set_min_parallel_bytes(long long b) { g_min_parallel_bytes.store(b < 0 ? 0 : b); }
 
