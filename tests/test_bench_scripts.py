@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxdec.bench import decode_bench
@@ -67,6 +68,14 @@ def test_bench_jaxdec_only(tmp_path):
     assert "streamed / one-jit decode" in r.stdout
     assert report["bandwidth_gbs"] > 0 and report["ceiling_tok_s"]["gguf"]["1"] > 0
     assert "ratios" in r.stdout
+    # batch 1 against the ceiling from interleaved (probe GB/s, decode tok/s) pairs: the step's
+    # bytes are the report's bandwidth over its ceiling, so the fraction follows from the pairs
+    pairs = np.asarray(run["ceiling_pairs"])
+    assert len(pairs) >= 3 and (pairs > 0).all()
+    step = report["bandwidth_gbs"] * 1e9 / report["ceiling_tok_s"]["gguf"]["1"]
+    want = np.median(pairs[:, 1] * step / (pairs[:, 0] * 1e9))
+    assert run["ceiling_fraction_b1"] == pytest.approx(want, rel=0.02)
+    assert 0 < run["ceiling_fraction_b1"] < 1.5 and "of its ceiling (interleaved pairs" in r.stdout
 
 
 def test_cli_ttft_cold_then_warm_pairs():

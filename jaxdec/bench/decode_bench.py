@@ -53,10 +53,11 @@ def prompts(tokenizer, s: Settings) -> tuple[list[int], list[int]]:
     return ids[: s.prompt_len], ids[: s.prefill_len]
 
 
-def bandwidth_gbs(mib: int = 256, repeats: int = 15) -> float:
-    """Streaming-read bandwidth of this machine as XLA sees it: a float32 matrix-vector
-    product over a `mib` MiB matrix stored (K, N), the best of `repeats` (the ceiling:
-    a busy moment only lowers it)."""
+def bandwidth_probe(mib: int = 256):
+    """-> measure(repeats): the streaming-read bandwidth of this machine as XLA sees it, in
+    GB/s: a float32 matrix-vector product over a `mib` MiB matrix stored (K, N), the best of
+    `repeats` (the ceiling: a busy moment only lowers it). The matrix is made and the product
+    compiled once, so the probe can be taken again between other measurements."""
     import jax
     import jax.numpy as jnp
 
@@ -66,12 +67,21 @@ def bandwidth_gbs(mib: int = 256, repeats: int = 15) -> float:
     x = jax.random.normal(jax.random.key(1), (1, k), jnp.float32)
     f = jax.jit(lambda x, w: x @ w)
     f(x, w).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x, w).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return w.nbytes / min(times) / 1e9
+
+    def measure(repeats: int = 15) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(x, w).block_until_ready()
+            times.append(time.perf_counter() - t)
+        return w.nbytes / min(times) / 1e9
+
+    return measure
+
+
+def bandwidth_gbs(mib: int = 256, repeats: int = 15) -> float:
+    """`bandwidth_probe(mib)` taken once."""
+    return bandwidth_probe(mib)(repeats)
 
 
 def step_bytes(model, batch: int, context: int) -> float:
@@ -244,6 +254,10 @@ def table(report: dict) -> str:
                 bb = systems[n].get("decode_tok_s", {}).get(str(b))
                 if bb:
                     out.append(f"  {n}: batch {b} / batch 1 throughput = {bb / b1:.1f}x")
+            frac = systems[n].get("ceiling_fraction_b1")
+            if frac:
+                out.append(f"  {n}: batch 1 = {frac:.2f} of its ceiling (interleaved pairs with "
+                           f"the bandwidth probe)")
             ratio = systems[n].get("stream_ratio")
             if ratio:
                 out.append(f"  {n}: streamed / one-jit decode = {ratio:.2f} (interleaved pairs)")

@@ -67,8 +67,9 @@ def run_jaxdec(run) -> None:
 
     peers._measure(run, greedy_fn, prefill_fn)
     prompt, n_new = [int(t) for t in spec["prompt_ids"]], int(spec["new_tokens"])
-    _streaming(run, model, generate_ids, prompt, n_new,
-               lambda: (n_new - 1) / generation(1, prompt, n_new)[1])
+    one_jit = lambda: (n_new - 1) / generation(1, prompt, n_new)[1]  # noqa: E731
+    _streaming(run, model, generate_ids, prompt, n_new, one_jit)
+    _ceiling_pairs(run, model, one_jit, len(prompt) + n_new // 2)
 
 
 def _streaming(run, model, generate_ids, prompt: list[int], n_new: int, one_jit) -> None:
@@ -92,3 +93,21 @@ def _streaming(run, model, generate_ids, prompt: list[int], n_new: int, one_jit)
     run.result["streamed_decode_tok_s"] = round(float(np.median([s for _, s in pairs])), 3)
     run.result["stream_ratio"] = round(float(np.median([s / j for j, s in pairs])), 3)
     run.snapshot()
+
+
+def _ceiling_pairs(run, model, one_jit, context: int) -> None:
+    """Batch-1 decode as a fraction of its bandwidth ceiling (the bytes a step reads over the
+    streaming-read bandwidth), from interleaved pairs of the bandwidth probe and a one-jit
+    decode: the ceiling of the report is measured minutes before the decode, and this shared
+    machine's bandwidth drifts by 20-30% over minutes. The median pair's fraction; the probe's
+    matrix is left out of the peer's peak RSS."""
+    from jaxdec.bench.decode_bench import bandwidth_probe, step_bytes
+
+    probe = bandwidth_probe()
+    step = step_bytes(model, 1, context)
+    pairs = [(probe(5), one_jit()) for _ in range(max(3, int(run.spec.get("repeats", 1))))]
+    del probe
+    run.result["ceiling_pairs"] = [[round(bw, 2), round(tok, 3)] for bw, tok in pairs]
+    run.result["ceiling_fraction_b1"] = round(
+        float(np.median([tok * step / (bw * 1e9) for bw, tok in pairs])), 3)
+    run.snapshot(rss=False)

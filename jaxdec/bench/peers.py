@@ -190,9 +190,12 @@ class _Run:
     def over_budget(self) -> bool:
         return self.budget is not None and time.monotonic() - self.t0 > float(self.budget)
 
-    def snapshot(self) -> None:
-        self.result["peak_rss_mb"] = round(
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)  # KiB on Linux
+    def snapshot(self, rss: bool = True) -> None:
+        """Prints the result so far; `rss`: first records the peak RSS (False: a stage that
+        only measures the machine leaves the peer's figure as it was)."""
+        if rss:
+            self.result["peak_rss_mb"] = round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)  # KiB on Linux
         print(_PARTIAL + json.dumps(self.result), file=sys.stderr, flush=True)
 
 
