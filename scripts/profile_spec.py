@@ -2,8 +2,10 @@
 
     python scripts/profile_spec.py --target smollm2 --drafter runs/eagle3-w4k/drafter+int8
     python scripts/profile_spec.py --target smollm2 --drafter "runs/eagle3-w4k/drafter@tree=4x4x7+int8"
+    python scripts/profile_spec.py --target smollm2 --new-tokens 128     # plain decoding only
 
-Decodes one held-out prompt plainly, then with the drafter (a `bench_spec` drafter source),
+Decodes one held-out prompt plainly, then with the drafter (a `bench_spec` drafter source; without
+`--drafter`, plainly only; `--weights` picks the target's weight format),
 each under `jax.profiler.trace` after a warm-up that compiles, and prints the ops that took
 the most time: per generated token for plain decoding, per round for speculation. The CPU
 kernels are named by target and result shape (`jaxdec_dense_matmul f32[5,1536]` is a 5-token
@@ -93,27 +95,31 @@ def report(title, times, per, unit, top) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--drafter", required=True, help="a bench_spec drafter source")
+    p.add_argument("--drafter", help="a bench_spec drafter source (none: plain decoding only)")
+    p.add_argument("--weights", default="f32", help="the target's weight format (jaxdec.load)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt", type=int, default=0, help="which held-out prompt")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
     try:
-        model = jaxdec.load(args.target)
+        model = jaxdec.load(args.target, weights=args.weights)
         prompt = data.prompt_set(model.tokenizer, split="heldout", n=args.prompt + 1)[args.prompt]
-        drafter = spec_bench.load_drafter(args.drafter, model)
+        drafter = spec_bench.load_drafter(args.drafter, model) if args.drafter else None
     except JaxdecError as e:
         print(f"profile_spec: error: {e}", file=sys.stderr)
         return 2
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, d in (("plain", None), ("spec", drafter)):
+        for name, d in (("plain", None), ("spec", drafter))[:2 if drafter else 1]:
             gen = spec_bench._generator(model, [prompt], args.new_tokens, d)
             runs[name] = profile(gen, prompt, DUMP, f"{tmp}/{name}")
-    (plain, t_plain), (spec, t_spec) = runs["plain"], runs["spec"]
+    plain, t_plain = runs["plain"]
     n = len(plain.token_ids[0])
-    rounds = spec.spec["rounds"]
     print(report(f"plain decoding, {n} tokens (prefill included)", t_plain, n, "token", args.top))
+    if not drafter:
+        return 0
+    spec, t_spec = runs["spec"]
+    rounds = spec.spec["rounds"]
     print(report(f"{args.drafter}: {rounds} rounds, mean accepted length "
                  f"{spec.spec['mean_accepted']:.2f} (prefill included)", t_spec, rounds, "round",
                  args.top))

@@ -160,6 +160,13 @@ def test_profile_spec_smoke(tmp_path):
     rows = [line for line in lines if line.startswith("  ") and "%" in line]
     assert len(rows) == 10 and not any(row.split()[-1] == "while" for row in rows), r.stdout
     assert any(("matmul" in row or "dot" in row) for row in rows), r.stdout
+    # without a drafter: the plain table alone
+    r = subprocess.run([sys.executable, "scripts/profile_spec.py", "--target", str(target),
+                        "--new-tokens", "8", "--top", "5"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    heads = [line for line in r.stdout.splitlines() if "ms of ops per" in line]
+    assert len(heads) == 1 and "per token" in heads[0], r.stdout
 
 
 def test_draft_vocab_coverage_smoke(tmp_path):

@@ -1209,8 +1209,8 @@ void amx_round_x(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 // The register path reads a group's g rows side by side, 64 columns at a time: g read streams
 // at a stride of one row.  16 was tuned on Intel (Sapphire Rapids).  AMD Zen 4's prefetchers
 // keep up with 8 and not with 16: cache-cold f32 matrix-vector products stream about 1.4x
-// faster with 8 (SmolLM2's shapes, 16-19 -> 24-31 GB/s, and f32 decode 32 -> 38 tok/s;
-// session 19, scripts/matvec_traversal.c and `jaxdec bench` with JAXDEC_CPU_DENSE_GROUP).
+// faster with 8 (576x1536: 17 -> 25 GB/s, scripts/matvec_traversal.c), and f32 decode ran
+// 31 -> 37 tok/s (`jaxdec bench --weights f32` with JAXDEC_CPU_DENSE_GROUP=16|8, 5 pairs).
 int default_dense_group() {
 #if QMM_X86 && defined(__GNUC__)
   __builtin_cpu_init();
