@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 JAXDEC := $(BIN)/jaxdec
 DEMO_PROMPT ?= Give me three tips for a good night's sleep.
 
-.PHONY: demo test bench models corpora clean
+.PHONY: demo test test-all bench models corpora clean
 
 demo: $(VENV)/.demo
 	$(JAXDEC) generate --model smollm2 --chat --max-new-tokens 160 --temperature 0.2 --top-p 0.9 --seed 0 \
@@ -16,6 +16,11 @@ demo: $(VENV)/.demo
 # load and run the GGUF files jaxdec writes): the `bench` target builds it (~7 min, once).
 test: $(VENV)/.test $(VENV)/.bench models corpora
 	$(BIN)/python -m pytest --durations=15
+
+# Everything, the tests in tests/slow.txt and the other -m slow checks included (about an
+# hour on 2 cores). It must pass before an issue is resolved.
+test-all: $(VENV)/.test $(VENV)/.bench models corpora
+	$(BIN)/python -m pytest -m "slow or not slow" --durations=30
 
 models: $(VENV)/.demo
 	$(JAXDEC) fetch qwen2.5-coder-0.5b

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdec import decode, exec_cache, quant, sharding
+from jaxdec import decode, exec_cache, formats, sharding
 from jaxdec.cache import dense, kinds
 from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import abstract_params
-from jaxdec.quant import convert, dfloat11
+from jaxdec.formats import convert, dfloat11
 from jaxdec.sampling import Greedy, Sampler
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
@@ -60,7 +60,7 @@ class Model:
 
 
 def _is_q(x) -> bool:
-    return isinstance(x, quant.QArray)
+    return isinstance(x, formats.QArray)
 
 
 def _dtype(dtype) -> Any:
@@ -337,7 +337,7 @@ class GenerateResult:
     token_ids: list[list[int]]  # generated ids per row (a final stop token included)
     prompt_ids: list[list[int]]
     stopped: list[bool]  # True where the row ended on a stop token
-    spec: dict | None = None  # speculative decoding's figures (`jaxdec.spec.core.stats`)
+    spec: dict | None = None  # speculative decoding's figures (`jaxdec.speculative.core.stats`)
 
 
 def encode_prompts(model: Model, prompts, *, chat: bool) -> list[list[int]]:
@@ -367,7 +367,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int = 64, sampler: Sample
     `stream(step, tokens, active)` is called on the host after every step with the new
     tokens i32[B] and which rows were still generating.
 
-    `drafter` switches speculative decoding on (`jaxdec.spec.drafters.load` makes one from
+    `drafter` switches speculative decoding on (`jaxdec.speculative.drafters.load` makes one from
     a trained drafter checkpoint or a model): the tokens are the same, greedy or sampled
     from the same distribution; only the speed differs. `result.spec` has its figures.
     """
@@ -383,7 +383,7 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
         raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
     _check_ids(rows, model.cfg.vocab_size)
     if drafter is not None:
-        from jaxdec.spec import drafters
+        from jaxdec.speculative import drafters
         return drafters.generate(model, rows, drafter, max_new_tokens=int(max_new_tokens),
                                  sampler=sampler, seed=seed, stop_ids=stop_ids, stream=stream)
     n_rows = len(rows)

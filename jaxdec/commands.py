@@ -87,7 +87,7 @@ def _drafter(args, model):
         return None
     if args.draft_k is not None and args.draft_k <= 0:
         raise JaxdecError(f"--draft-k must be positive (got {args.draft_k})")
-    from jaxdec.spec import drafters
+    from jaxdec.speculative import drafters
     return drafters.load(args.draft, model, k=args.draft_k, method=args.draft_method,
                          weights=args.draft_weights, tree=args.draft_tree)
 
@@ -269,7 +269,7 @@ def compress_lossless(args) -> int:
     from tqdm import tqdm
 
     from jaxdec.models import transformer
-    from jaxdec.quant import dfloat11
+    from jaxdec.formats import dfloat11
 
     model = jaxdec.load(args.src, dtype="bfloat16")
     if model.weights == "dfloat11":
@@ -377,7 +377,7 @@ _DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll"
 
 def distill(args) -> int:
     from jaxdec import train
-    from jaxdec.spec import store
+    from jaxdec.speculative import store
 
     warmup = args.steps // 20 if args.warmup is None else args.warmup
     cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch, lr=args.lr, warmup=warmup,

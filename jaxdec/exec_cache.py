@@ -227,7 +227,7 @@ def _sources_digest() -> str:
     kernels it calls)."""
     h = hashlib.sha256()
     kernels = _PACKAGE.parent / "pallas_kernels"
-    files = (sorted(_PACKAGE.rglob("*.py")) + sorted((_PACKAGE / "quant" / "csrc").glob("*"))
+    files = (sorted(_PACKAGE.rglob("*.py")) + sorted((_PACKAGE / "ops" / "csrc").glob("*"))
              + sorted(kernels.rglob("*.py")))
     for f in files:
         if f.is_file():
@@ -239,7 +239,7 @@ def _sources_digest() -> str:
 def _settings() -> str:
     """What tests and users may change within a process: environment, jax flags, kernel
     switches (cheap to read on every call)."""
-    from jaxdec.quant import cpu_kernel
+    from jaxdec.ops import cpu_kernel
 
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith("JAXDEC_") or k == "XLA_FLAGS")

@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.config import RopeScaling
-from jaxdec.quant import cpu_kernel, dfloat11
-from jaxdec.quant.matmul import qmatmul
-from jaxdec.quant.actquant import ActQuant, quantize_input, quantize_output
-from jaxdec.quant.actquant import validate as validate_act
-from jaxdec.quant.qarray import QArray
-from jaxdec.quant.tap import Tap, record
+from jaxdec.ops import cpu_kernel
+from jaxdec.formats import dfloat11
+from jaxdec.ops.qmatmul import qmatmul
+from jaxdec.formats.actquant import ActQuant, quantize_input, quantize_output
+from jaxdec.formats.actquant import validate as validate_act
+from jaxdec.formats.qarray import QArray
+from jaxdec.formats.tap import Tap, record
 from jaxdec.sharding import split_axes
 
 NEG_INF = -1e30  # finite, so fully masked rows (padding) stay finite instead of NaN
@@ -30,7 +31,7 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
     """The one matmul entry point: contract the last `n_in` axes of x with the first `n_in`
     axes of w, accumulating in float32. x: [..., *in], w: [*in, *out] -> [..., *out].
 
-    A `QArray` weight goes to the quantised matmul (`jaxdec.quant.matmul`); model code
+    A `QArray` weight goes to the quantised matmul (`jaxdec.ops.qmatmul`); model code
     never branches on quantisation. Weights are stored (in, out) so the contraction streams them. Both sides are flattened
     to one 2-D dot ([M, K] @ [K, N]) so XLA never relayouts a weight to match an
     activation (it did: a [N, H, D] output projection was transposed on every step). The
@@ -46,7 +47,7 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
     if x.shape[x.ndim - n_in:] != in_shape:
         raise ValueError(f"linear: x {x.shape} does not end in w's input axes {in_shape}")
     k = math.prod(in_shape)
-    if isinstance(w, Tap):  # a calibration pass records this input (`jaxdec.quant.tap`)
+    if isinstance(w, Tap):  # a calibration pass records this input (`jaxdec.formats.tap`)
         record(w.name, x.reshape(-1, k))
         w = w.w
     if isinstance(w, ActQuant):  # input quantised at run time (W8A8, W4A4, LLM.int8())

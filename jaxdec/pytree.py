@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdec.quant.dfloat11 import DF11Array
-from jaxdec.quant.qarray import QArray
+from jaxdec.formats.dfloat11 import DF11Array
+from jaxdec.formats.qarray import QArray
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.pytree import LogicalRules, ParamSpec, is_spec
-from jaxdec.quant.qarray import QArray
+from jaxdec.formats.qarray import QArray
 
 AXES = ("data", "model", "expert")
 

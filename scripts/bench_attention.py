@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec import layers
-from jaxdec.quant import cpu_kernel
+from jaxdec.ops import cpu_kernel
 
 
 def main(argv=None) -> None:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxdec.quant import cpu_kernel as ck  # noqa: E402
+from jaxdec.ops import cpu_kernel as ck  # noqa: E402
 
 SMOL = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from device_bench import copy_bandwidth, timed  # noqa: E402
 from jaxdec.cache import quantized  # noqa: E402
-from jaxdec.quant.qarray import quantize  # noqa: E402
+from jaxdec.formats.qarray import quantize  # noqa: E402
 from pallas_kernels import decode_attention as da  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
 from pallas_kernels import quantized_kv_attention as qa  # noqa: E402

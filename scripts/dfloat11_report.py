@@ -35,7 +35,7 @@ import numpy as np
 
 import jaxdec
 from jaxdec.models import transformer
-from jaxdec.quant import dfloat11 as df
+from jaxdec.formats import dfloat11 as df
 
 
 def gaussian_like(pairs, seed: int = 0):

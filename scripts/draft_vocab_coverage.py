@@ -18,7 +18,7 @@ import numpy as np
 import jaxdec
 from jaxdec import train
 from jaxdec.errors import JaxdecError
-from jaxdec.spec import eagle3
+from jaxdec.speculative import eagle3
 
 
 def coverage(model, args) -> list[tuple[int, float, float]]:

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from jaxdec.cache.quantized import QuantKV  # noqa: E402
-from jaxdec.quant.qarray import QArray  # noqa: E402
+from jaxdec.formats.qarray import QArray  # noqa: E402
 from pallas_kernels import decode_attention as da  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
 from pallas_kernels import quantized_kv_attention as qa  # noqa: E402

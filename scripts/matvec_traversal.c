@@ -5,7 +5,7 @@
 //   B         K split between the threads; each thread reads its rows whole and contiguously,
 //             4 at a time, into an L1 accumulator row; the two partial rows summed (M = 1 work
 //             only, whatever M is given: a streaming reference, not a kernel).
-//   kernel gR jaxdec_dense_raw from the kernel library (jaxdec/quant/csrc/qmatmul.cc), its
+//   kernel gR jaxdec_dense_raw from the kernel library (jaxdec/ops/csrc/qmatmul.cc), its
 //             dense group set to R rows (JAXDEC_CPU_DENSE_GROUP): each 64-column chunk is read
 //             down R rows at a time, so R read streams run side by side; with its software
 //             prefetching (pf) and without (nopf, JAXDEC_CPU_PREFETCH=0).

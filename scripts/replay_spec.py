@@ -17,8 +17,8 @@ import numpy as np
 
 import jaxdec
 from jaxdec.errors import JaxdecError
-from jaxdec.quant import cpu_kernel
-from jaxdec.spec import eagle3, store
+from jaxdec.ops import cpu_kernel
+from jaxdec.speculative import eagle3, store
 from jaxdec.train import data, loop
 
 

@@ -76,11 +76,36 @@ def real_model_name(request):
     return request.param
 
 
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+def _slow_ids() -> set[str]:
+    with open(SLOW_LIST) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
-    """The Pallas kernel files run every reference case through the TPU (Mosaic) body in
+    """Tests named in slow.txt run only with -m slow (`make test-all`); when the whole suite
+    is collected, a name there that matches no test is an error, so a rename cannot quietly
+    move a slow test into `make test`.
+
+    The Pallas kernel files run every reference case through the TPU (Mosaic) body in
     interpret mode by default; the GPU (Triton) body, whose interpret mode is the slower,
     runs every other case by default (each G and each head dim still appear) and all of
     them with `-m slow`."""
+    slow = _slow_ids()
+    seen = set()
+    for item in items:
+        node = item.nodeid.removeprefix("tests/")
+        if node in slow:
+            item.add_marker(pytest.mark.slow)
+            seen.add(node)
+    whole = not config.getoption("keyword") and all(
+        os.path.abspath(a) == os.path.dirname(__file__) or a in ("tests", "tests/")
+        for a in config.args)
+    if whole and slow - seen:
+        raise pytest.UsageError(f"{SLOW_LIST} names tests that do not exist: "
+                                f"{', '.join(sorted(slow - seen))}")
     for item in items:
         cls = getattr(item, "cls", None)
         spec = getattr(item, "callspec", None)

@@ -22,14 +22,15 @@ _JOBS: list["HfJob"] = []
 
 class HfJob:
     """Runs `python -c script <gguf path> <out> *args` for a named real model; `wait()`
-    returns `out`, skips the test if the model is not installed, fails it if the job did."""
+    returns `out`, fails the test if the model is not installed (`make models` fetches it) or
+    the job failed."""
 
     def __init__(self, name: str, script: str, out_name: str, *args: str):
         self.name, self.out, self.proc, self.skip = name, _ROOT / out_name, None, None
         try:
             path = registry.resolve(name)
         except JaxdecError as e:
-            self.skip = str(e)
+            self.skip = f"{e} (`make test` fetches the models the tests need)"
             return
         self.proc = subprocess.Popen(
             [sys.executable, "-c", script, str(path), str(self.out), *args],
@@ -39,7 +40,7 @@ class HfJob:
 
     def wait(self) -> pathlib.Path:
         if self.skip:
-            pytest.skip(self.skip)
+            pytest.fail(self.skip)
         _, err = self.proc.communicate()
         if self.proc.returncode:
             pytest.fail(f"HF reference job for {self.name} failed:\n{err[-3000:]}")

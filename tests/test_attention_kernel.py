@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxdec import layers
-from jaxdec.quant import cpu_kernel as ck
+from jaxdec.ops import cpu_kernel as ck
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernel unavailable: {ck.reason()}")
 

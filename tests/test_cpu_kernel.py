@@ -1,4 +1,4 @@
-"""The quantised-matmul CPU kernel (jaxdec.quant.cpu_kernel) against a float64 NumPy reference."""
+"""The quantised-matmul CPU kernel (jaxdec.ops.cpu_kernel) against a float64 NumPy reference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxdec.quant import cpu_kernel as ck
+from jaxdec.ops import cpu_kernel as ck
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernel unavailable: {ck.reason()}")
 
@@ -251,7 +251,7 @@ def test_unavailable_falls_back(tmp_path):
     work (XLA)."""
     code = (
         "import numpy as np\n"
-        "from jaxdec.quant import cpu_kernel as ck\n"
+        "from jaxdec.ops import cpu_kernel as ck\n"
         "assert not ck.available(), ck.info()\n"
         "assert ck.reason(), 'no reason'\n"
         "x = np.ones((1, 64), np.float32); q = np.ones((64, 8), np.int8)\n"

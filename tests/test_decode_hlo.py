@@ -11,8 +11,8 @@ import pytest
 from jaxdec import decode
 from jaxdec.cache import dense
 from jaxdec.models import transformer
-from jaxdec.quant import cpu_kernel
-from jaxdec.quant.convert import quantize_params
+from jaxdec.ops import cpu_kernel
+from jaxdec.formats.convert import quantize_params
 from jaxdec.sampling import Greedy
 from tiny_hf import build
 

@@ -1,4 +1,4 @@
-"""DFloat11 (`jaxdec.quant.dfloat11`): bit-exact round trips, the stream layout against an
+"""DFloat11 (`jaxdec.formats.dfloat11`): bit-exact round trips, the stream layout against an
 independent bit-string encoder, the code against entropy and Kraft, every tensor of both
 real models, identical tokens, the checkpoint and CLI path, and damaged files."""
 
@@ -24,7 +24,7 @@ from jaxdec import api, decode
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import init_params
-from jaxdec.quant import dfloat11 as df
+from jaxdec.formats import dfloat11 as df
 from jaxdec.sampling import Greedy
 
 decompress = jax.jit(df.decompress)

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter (jaxdec.spec.eagle3) on a tiny random Llama: training matches inference,
+"""EAGLE-3 drafter (jaxdec.speculative.eagle3) on a tiny random Llama: training matches inference,
 the loss against a float64 NumPy definition, the vocabulary map, lossless generation."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from jaxdec import api, decode, layers, pytree, sampling
 from jaxdec.cache import dense
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
-from jaxdec.quant.qarray import QArray
-from jaxdec.spec import core, drafters, eagle3
-from jaxdec.spec.tree import TreeSpec
+from jaxdec.formats.qarray import QArray
+from jaxdec.speculative import core, drafters, eagle3
+from jaxdec.speculative.tree import TreeSpec
 from jaxdec.train import loop
 from conftest import assert_one_line_error
 from tests import tiny_hf
@@ -469,7 +469,7 @@ def test_head_from_the_target(tiny, head, tmp_path):
     of the draft vocabulary (a float64 NumPy reference). A frozen head is no trained param:
     AdamW with weight decay leaves it as it was, the checkpoint does not carry it, and the
     loaded drafter takes it from the target again."""
-    from jaxdec.spec import store
+    from jaxdec.speculative import store
 
     rng = np.random.default_rng()
     task = make_task(tiny, rng, head=head)
@@ -504,6 +504,14 @@ def test_head_from_the_target(tiny, head, tmp_path):
     if head == "frozen":
         np.testing.assert_array_equal(np.asarray(loaded.lm_head),
                                       np.asarray(tiny.params.lm_head)[:, task.d2t])
+
+    # A drafter saved before the layout move names its classes jaxdec.spec.*: it still loads.
+    meta = path / store.META
+    text = meta.read_text()
+    assert "jaxdec.speculative." in text
+    meta.write_text(text.replace("jaxdec.speculative.", "jaxdec.spec."))
+    old = store.load_drafter(path, target).params.net
+    jax.tree.map(np.testing.assert_array_equal, old, loaded)
 
 
 def test_unknown_head_is_an_error(tiny):

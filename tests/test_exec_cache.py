@@ -18,7 +18,7 @@ import pytest
 
 from jaxdec import decode, exec_cache
 from jaxdec.cache import dense
-from jaxdec.quant import cpu_kernel
+from jaxdec.ops import cpu_kernel
 from jaxdec.sampling import Greedy, Sample
 from tiny_hf import VOCAB, build
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: F401,E402  (the test extra installs it; HF needs it)
 
 import jaxdec  # noqa: E402
 from jaxdec import api, decode, pytree  # noqa: E402

@@ -1,4 +1,4 @@
-"""Speculative decoding across vocabularies (`jaxdec.spec.hetero`): greedy TLI and SLEM
+"""Speculative decoding across vocabularies (`jaxdec.speculative.hetero`): greedy TLI and SLEM
 give exactly plain greedy decoding (tiny models with made-up vocabularies, and
 Qwen2.5-Coder drafted by SmolLM2); under sampling TLI and SLEM keep the target's
 distribution (chi-square against the exact joint, which two biased verifiers fail); the
@@ -22,7 +22,7 @@ from jaxdec.config import ModelConfig
 from jaxdec.models import transformer
 from jaxdec.pytree import map_specs
 from jaxdec.sampling import Greedy, Sample
-from jaxdec.spec import core, hetero, small_model
+from jaxdec.speculative import core, hetero, small_model
 
 # Two made-up vocabularies over the same letters, in different orders: the target's
 # letters, the drafter's letters and merges of them (its text is tokenized differently).

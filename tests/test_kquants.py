@@ -26,7 +26,6 @@ import pytest
 import jaxdec
 from jaxdec.checkpoint import registry
 from jaxdec.checkpoint.gguf_reader import read_gguf_header
-from jaxdec.errors import JaxdecError
 from jaxdec.quant import gguf_writer, kquants
 
 from conftest import assert_one_line_error
@@ -37,14 +36,15 @@ LLAMA_CPP_REASON = "llama-cpp-python (`make bench`) ships ggml's reference quant
 
 
 def _llama_cpp():
-    return pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    try:
+        import llama_cpp
+    except ImportError as e:
+        pytest.fail(f"{LLAMA_CPP_REASON}: {e}")
+    return llama_cpp
 
 
 def _model_path(name: str) -> pathlib.Path:
-    try:
-        return registry.resolve(name)
-    except JaxdecError as e:
-        pytest.skip(str(e))
+    return registry.resolve(name)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def ggml():
     """ggml_quantize_chunk(type, f32[rows, n]) -> u8[rows, bytes per row], ggml's reference."""
     lc = _llama_cpp()
     lib_dir = pathlib.Path(lc.__file__).parent / "lib"
-    found = sorted(lib_dir.glob("libggml-base.*")) or pytest.skip(f"no libggml-base in {lib_dir}")
+    found = sorted(lib_dir.glob("libggml-base.*")) or pytest.fail(f"no libggml-base in {lib_dir}")
     lib = ctypes.CDLL(str(found[0]))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,

@@ -16,9 +16,10 @@ import scipy.stats
 from conftest import assert_one_line_error, jax_model
 from jaxdec import layers, prompts
 from jaxdec.models import transformer
-from jaxdec.quant import actquant, calibrate, convert, kurtail
-from jaxdec.quant.actquant import ActQuant
-from jaxdec.quant.qarray import QArray
+from jaxdec.formats import actquant, convert
+from jaxdec.quant import calibrate, kurtail
+from jaxdec.formats.actquant import ActQuant
+from jaxdec.formats.qarray import QArray
 from tiny_hf import VOCAB, build, hf_logits, rel_err
 
 _forward = jax.jit(transformer.forward, static_argnames="cfg")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdec.quant import dfloat11 as df
+from jaxdec.formats import dfloat11 as df
 from pallas_kernels import common
 from pallas_kernels.dfloat11 import decompress, reference
 

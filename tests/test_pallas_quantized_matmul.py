@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdec.quant import qarray
+from jaxdec.formats import qarray
 from pallas_kernels.quantized_matmul import bytes_moved, quantized_matmul
 from pallas_kernels.quantized_matmul import reference
 from pallas_kernels.lowering import lower

@@ -14,9 +14,10 @@ import jaxdec
 from conftest import assert_one_line_error, hf_model, jax_model
 from jaxdec import layers, perplexity
 from jaxdec.models import transformer
-from jaxdec.quant import actquant, calibrate, methods
-from jaxdec.quant.actquant import ActQuant
-from jaxdec.quant.qarray import dequantize, quantize
+from jaxdec.formats import actquant
+from jaxdec.quant import calibrate, methods
+from jaxdec.formats.actquant import ActQuant
+from jaxdec.formats.qarray import dequantize, quantize
 
 
 def _encode(model):

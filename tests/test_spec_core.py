@@ -22,7 +22,7 @@ from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import init_params
 from jaxdec.sampling import Greedy, Sample
-from jaxdec.spec import core, small_model, tree
+from jaxdec.speculative import core, small_model, tree
 from tiny_hf import VOCAB, build
 
 

@@ -12,8 +12,8 @@ import pytest
 import jaxdec
 from conftest import assert_one_line_error, jax_model
 from jaxdec.prompts import CODE_TASKS, PROMPTS
-from jaxdec.spec import drafters, eagle3, pard
-from jaxdec.spec.tree import TreeSpec
+from jaxdec.speculative import drafters, eagle3, pard
+from jaxdec.speculative.tree import TreeSpec
 
 PROMPTS_20 = list(PROMPTS) + list(CODE_TASKS[:10])
 

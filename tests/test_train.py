@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 
 from conftest import assert_one_line_error
 from jaxdec import api, corpora
-from jaxdec.spec import store
+from jaxdec.speculative import store
 from jaxdec.train import data, loop, losses, small
 from tiny_hf import VOCAB, build, byte_tokenizer, save_tiny_checkpoint
 

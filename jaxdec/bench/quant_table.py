@@ -44,9 +44,10 @@ from jaxdec.files import write_text_atomic
 from jaxdec.checkpoint import registry
 from jaxdec.checkpoint.gguf_reader import read_gguf_header
 from jaxdec.models import transformer
-from jaxdec.quant import calibrate, dfloat11, gguf_writer, kquants, kurtail, methods
-from jaxdec.quant.actquant import ActQuant
-from jaxdec.quant.qarray import QArray
+from jaxdec.quant import calibrate, gguf_writer, kquants, kurtail, methods
+from jaxdec.formats import dfloat11
+from jaxdec.formats.actquant import ActQuant
+from jaxdec.formats.qarray import QArray
 
 # the paper's claim beside each method (shared/algorithms.md; [U]: our reading, unconfirmed)
 CLAIMS = {

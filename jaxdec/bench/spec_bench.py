@@ -21,7 +21,7 @@ import jaxdec
 from jaxdec import decode
 from jaxdec.cache import dense
 from jaxdec.models import transformer
-from jaxdec.spec import core, drafters
+from jaxdec.speculative import core, drafters
 
 
 @dataclasses.dataclass

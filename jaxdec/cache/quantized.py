@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxdec.cache import dense
 from jaxdec.errors import JaxdecError
-from jaxdec.quant.qarray import check_array
+from jaxdec.formats.qarray import check_array
 
 GRANULARITIES = ("token", "group", "channel")
 SCALE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))

@@ -28,7 +28,7 @@ from jaxdec.checkpoint.hf_layout import hf_tensor_shapes
 from jaxdec.checkpoint.tokenizer import Tokenizer
 from jaxdec.config import ModelConfig, RopeScaling
 from jaxdec.errors import JaxdecError
-from jaxdec.quant.gguf_blocks import gguf_block_bits, qarray_from_gguf
+from jaxdec.formats.gguf_blocks import gguf_block_bits, qarray_from_gguf
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _Q = gguf.GGMLQuantizationType

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec import quant
+from jaxdec import formats
 from jaxdec.config import ModelConfig
 from jaxdec.models import mamba, transformer
 from jaxdec.pytree import ParamSpec, is_spec
@@ -178,7 +178,7 @@ def _path(keypath) -> str:
 
 
 def params_from_hf(cfg: ModelConfig, tensors, dtype=jnp.float32,
-                   blocks: dict[str, quant.QArray] | None = None, shardings=None) -> transformer.Params:
+                   blocks: dict[str, formats.QArray] | None = None, shardings=None) -> transformer.Params:
     """Build `Params` from HF-named float32 tensors (in HF shapes, as `hf_tensor_shapes`;
     a mapping, possibly `common.LazyTensors` that reads each one when it is looked up).
 

@@ -46,7 +46,7 @@ def load(path: pathlib.Path, layout=None):
     device then receives only its slices of the memory-mapped leaves."""
     from jaxdec.checkpoint.tokenizer import Tokenizer
     from jaxdec.models import transformer
-    from jaxdec.quant import convert
+    from jaxdec.formats import convert
 
     meta_file = path / "meta.json"
     if not meta_file.is_file():
@@ -73,7 +73,7 @@ def load(path: pathlib.Path, layout=None):
 
 def store(path: pathlib.Path, cfg: ModelConfig, params, tokenizer, tensor_types) -> None:
     """Write an entry (best effort: a cache that cannot be written is skipped)."""
-    from jaxdec.quant import convert
+    from jaxdec.formats import convert
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

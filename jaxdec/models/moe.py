@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec import layers, sharding
-from jaxdec.quant import cpu_kernel
+from jaxdec.ops import cpu_kernel
 from jaxdec.config import ModelConfig, MoEConfig
 from jaxdec.pytree import ParamSpec
 

@@ -18,12 +18,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxdec import layers, quant, sharding
+from jaxdec import formats, layers, sharding
 from jaxdec.cache import dense, kinds
 from jaxdec.config import ModelConfig
 from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
-from jaxdec.quant import cpu_kernel, dfloat11
+from jaxdec.ops import cpu_kernel
+from jaxdec.formats import dfloat11
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -128,8 +129,8 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
             return dfloat11.take_columns(params.lm_head, tokens).astype(dtype)
         head = dfloat11.decompress(params.lm_head, after=tokens)  # whole, then its columns
         return jnp.moveaxis(_take(head, tokens, axis=1), 0, -1).astype(dtype)
-    if isinstance(params.lm_head, quant.QArray):
-        return jnp.moveaxis(quant.take_columns(params.lm_head, tokens), 0, -1).astype(dtype)
+    if isinstance(params.lm_head, formats.QArray):
+        return jnp.moveaxis(formats.take_columns(params.lm_head, tokens), 0, -1).astype(dtype)
     return jnp.moveaxis(_take(params.lm_head, tokens, axis=1), 0, -1)
 
 

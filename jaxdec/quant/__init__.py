@@ -1,18 +1,3 @@
-"""Quantised weights: the `QArray` pytree and its quantisers (the GGUF block mapping is
-`jaxdec.quant.gguf_blocks`, imported by the GGUF reader only)."""
-
-from jaxdec.quant.qarray import (
-    QArray,
-    dequantize,
-    matmul_reference,
-    pack_int4,
-    quantize,
-    take_columns,
-    unpack_int4,
-    validate,
-)
-
-__all__ = [
-    "QArray", "dequantize", "matmul_reference", "pack_int4", "quantize", "take_columns",
-    "unpack_int4", "validate",
-]
+"""Quantization methods: weight transforms that turn a float model into a compressed one
+(RTN, HQQ, GPTQ, AWQ, SmoothQuant, ZeroQuant, LLM.int8(), KurTail, llama.cpp's k-quants).
+The formats they produce live in `jaxdec.formats`."""

@@ -28,7 +28,7 @@ from jaxdec import corpora
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import ParamSpec, is_spec
-from jaxdec.quant import tap
+from jaxdec.formats import tap
 from jaxdec.train import losses
 
 CALIB_CORPORA = ("prose", "code")

@@ -69,9 +69,10 @@ import optax
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
-from jaxdec.quant import calibrate, ptq, tap
-from jaxdec.quant.actquant import ActQuant, block_hadamard, hadamard, largest_pow2_block
-from jaxdec.quant.qarray import from_codes
+from jaxdec.quant import calibrate, ptq
+from jaxdec.formats import tap
+from jaxdec.formats.actquant import ActQuant, block_hadamard, hadamard, largest_pow2_block
+from jaxdec.formats.qarray import from_codes
 
 ROTATIONS = ("kurtail", "hadamard", "none")
 WEIGHT_METHODS = ("gptq", "rtn")

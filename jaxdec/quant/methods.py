@@ -36,8 +36,8 @@ from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.quant import calibrate, ptq
-from jaxdec.quant.actquant import ActQuant
-from jaxdec.quant.qarray import QArray, from_codes, quantize
+from jaxdec.formats.actquant import ActQuant
+from jaxdec.formats.qarray import QArray, from_codes, quantize
 
 # method -> (weight bits allowed, needs calibration statistics)
 METHODS = {

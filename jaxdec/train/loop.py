@@ -25,7 +25,7 @@ saved as a drafter in `out_dir/best` (their step and values in its drafter.json,
 takes the best so far from there.
 
 `train(..., init_from=DIR)` warm-starts a fresh run from the params of a drafter saved in
-DIR (the same kind, shapes and vocabulary map; `jaxdec.spec.store.load_params`), with a
+DIR (the same kind, shapes and vocabulary map; `jaxdec.speculative.store.load_params`), with a
 new optimiser state and schedule: to train a drafter further, or on other data. The run
 records DIR, and resuming it continues from its own checkpoints.
 """
@@ -48,7 +48,7 @@ import optax
 
 from jaxdec.errors import JaxdecError
 from jaxdec.files import write_text_atomic
-from jaxdec.quant import cpu_kernel
+from jaxdec.ops import cpu_kernel
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -175,7 +175,7 @@ def make_evaluator(task, dataset, batch_size: int, seed: int):
 
 
 def chain_stats(hist, emitted: int, prefix: str = "") -> dict[str, float]:
-    """{mal, accept_1..k} of a replay's (hist, emitted), as `jaxdec.spec.core.stats`."""
+    """{mal, accept_1..k} of a replay's (hist, emitted), as `jaxdec.speculative.core.stats`."""
     rounds = max(int(hist.sum()), 1)
     return {f"{prefix}mal": emitted / rounds,
             **{f"{prefix}accept_{j}": float(hist[j:].sum()) / rounds for j in range(1, len(hist))}}
@@ -187,7 +187,7 @@ def replay_chains(drafts, tokens, mask, n_new: int | None = None):
 
     drafts i32[k, B, T] (a task's `draft_chains`: [j, :, i] proposes x_{i+j+2} from the
     context ending at i); tokens [B, T]; mask [B, T], 1 on the generated tokens. As
-    `jaxdec.spec.core` decodes: the prefill gives each row's first new token, then each
+    `jaxdec.speculative.core` decodes: the prefill gives each row's first new token, then each
     round drafts k tokens from the context so far, keeps the longest prefix that matches
     the target's tokens and adds the target's next one, until `n_new` tokens (default: all
     the row's generated ones; drafts are checked against every generated token there is).
@@ -230,7 +230,7 @@ def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, val=None,
     with os._exit right after step `stop_after`'s checkpoint."""
     from tqdm import tqdm
 
-    from jaxdec.spec import store
+    from jaxdec.speculative import store
 
     out = pathlib.Path(out_dir).absolute()
     init_from = None if init_from is None else pathlib.Path(init_from).absolute()
@@ -283,7 +283,7 @@ def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, val=None,
 
 def _best_so_far(path: pathlib.Path) -> dict | None:
     """The "val" record of the best drafter a run already saved (a resumed run), or None."""
-    from jaxdec.spec import store
+    from jaxdec.speculative import store
 
     return store.read_meta(path).get("val") if (path / store.META).is_file() else None
 
@@ -296,7 +296,7 @@ def _log_line(step: int, metrics, lr: float, seconds: float) -> dict:
 
 def _run_record(task, target_model, dataset, cfg: TrainConfig, val=None,
                 init_from: pathlib.Path | None = None) -> dict:
-    from jaxdec.spec import store
+    from jaxdec.speculative import store
 
     record = {"task": task.meta(), "target": store.target_info(target_model),
               "data": dataset.meta, "train": dataclasses.asdict(cfg)}

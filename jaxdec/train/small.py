@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
-from jaxdec.spec import small_model
+from jaxdec.speculative import small_model
 from jaxdec.train import losses
 
 LOSSES = {"fkl": losses.forward_kl, "rkl": losses.reverse_kl}
@@ -140,6 +140,6 @@ class SmallDistill:
 
 
 def from_meta(meta: dict, params: SmallParams, target_model) -> small_model.SmallModel:
-    """The saved drafter for `target_model` (`jaxdec.spec.store`'s rebuild function)."""
+    """The saved drafter for `target_model` (`jaxdec.speculative.store`'s rebuild function)."""
     cfg, full = restored(meta["layers"], params, target_model)
     return small_model.SmallModel(cfg=cfg, k=meta["k"], params=full)

@@ -2,7 +2,7 @@
 
     w = decompress(a, implementation="pallas", interpret=True)
 
-a: a `jaxdec.quant.dfloat11.DF11Array` (Huffman-coded exponents, raw sign and mantissa;
+a: a `jaxdec.formats.dfloat11.DF11Array` (Huffman-coded exponents, raw sign and mantissa;
 its docstring has the layout). implementation="xla" is the library's jnp decoder
 (`reference.py`); "pallas" runs the two-phase block kernel (`kernel.py`: count, scan,
 decode and write, one program per block of 512 threads), then lays the blocks' rows at
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec.errors import JaxdecError
-from jaxdec.quant import dfloat11
+from jaxdec.formats import dfloat11
 from pallas_kernels import common
 from pallas_kernels.dfloat11 import kernel, reference
 

@@ -1,7 +1,7 @@
 """DFloat11 decompression as the paper's two-phase block kernel, in Pallas.
 
 Grid: one program per block of `THREADS_PER_BLOCK` (512) threads, a thread being 8 bytes
-of the code stream (see `jaxdec.quant.dfloat11` for the layout). Each program:
+of the code stream (see `jaxdec.formats.dfloat11` for the layout). Each program:
 
     phase 1: every thread decodes the codes starting in its 64 bits, only to count them;
              an exclusive scan of the counts gives each thread's first output slot
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxdec.quant.dfloat11 import GAP_BITS, PTR, THREAD_BITS, THREADS_PER_BLOCK
+from jaxdec.formats.dfloat11 import GAP_BITS, PTR, THREAD_BITS, THREADS_PER_BLOCK
 
 GAP_BYTES = GAP_BITS * THREADS_PER_BLOCK // 8  # 320 bytes of gaps a block
 

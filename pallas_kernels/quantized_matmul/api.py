@@ -2,7 +2,7 @@
 
     y = quantized_matmul(x, w, implementation="pallas", interpret=False)
 
-x: [M, K] float32 | bfloat16; w: a `jaxdec.quant.qarray.QArray` stored as [K, N] (see its
+x: [M, K] float32 | bfloat16; w: a `jaxdec.formats.qarray.QArray` stored as [K, N] (see its
 docstring: int8 codes, or int4 codes with rows 2i / 2i+1 in the low / high nibble of byte
 i; a float16 scale and optional offset per group of g rows of a column). Returns [M, N]
 in `out_dtype` (float32 by default) = x @ dequantize(w). implementation="xla" is
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.errors import JaxdecError
-from jaxdec.quant import qarray
+from jaxdec.formats import qarray
 from pallas_kernels import common
 from pallas_kernels.quantized_matmul import gpu, reference, tpu
 

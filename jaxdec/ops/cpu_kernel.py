@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxdec.quant.qarray import dequantize_rows
+from jaxdec.formats.qarray import dequantize_rows
 
 __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",

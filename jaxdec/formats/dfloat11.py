@@ -679,7 +679,7 @@ def compress_params(params, decl, *, progress: Callable[[int, int], None] | None
     become bfloat16 arrays. `DF11Array` leaves are kept; quantised (`QArray`) weights are
     refused. `progress(done, total)` is called after each tensor."""
     from jaxdec.pytree import is_spec
-    from jaxdec.quant.qarray import QArray
+    from jaxdec.formats.qarray import QArray
 
     is_leaf = lambda x: x is None or is_spec(x) or isinstance(x, (DF11Array, QArray))
     specs, treedef = jax.tree.flatten(decl, is_leaf=is_leaf)
@@ -759,7 +759,7 @@ def check_restored(a: DF11Array, entry: dict, where: str) -> DF11Array:
 
 def check_restored_params(params, layout: dict[str, dict], where: str):
     """`check_restored` on every `DF11Array` of restored `params` (entries of `layout` by
-    key path, as `jaxdec.quant.convert.describe` wrote them). Returns `params`."""
+    key path, as `jaxdec.formats.convert.describe` wrote them). Returns `params`."""
     found = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_df11)[0]
     for path, a in found:
         if is_df11(a):

@@ -34,8 +34,8 @@ FORMAT = "jaxdec-drafter-1"
 META = "drafter.json"
 KINDS = {
     "small": "jaxdec.train.small:from_meta",
-    "eagle3": "jaxdec.spec.eagle3:from_meta",
-    "pard": "jaxdec.spec.pard:from_meta",
+    "eagle3": "jaxdec.speculative.eagle3:from_meta",
+    "pard": "jaxdec.speculative.pard:from_meta",
 }
 
 
@@ -126,7 +126,7 @@ def load_params(path, task, like, target_model):
         what = ", ".join(differ) if differ else f"kind {record.get('kind')!r}"
         raise JaxdecError(f"{path}: cannot warm-start this {task.name} drafter from it "
                           f"(it differs in {what})")
-    if record.get("params") != skeleton(like):
+    if _renamed(record.get("params")) != skeleton(like):
         raise JaxdecError(f"{path}: its params are not shaped as this drafter's")
     return _restore(path, lambda: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like))
@@ -210,8 +210,39 @@ def _dtype(name: str):
     return jnp.bfloat16 if name == "bfloat16" else name
 
 
+# Modules that moved since drafters were first saved: old prefix -> new. A drafter saved
+# before the move names its classes by the old paths and still loads.
+RENAMED = {"jaxdec.spec": "jaxdec.speculative", "jaxdec.quant.qarray": "jaxdec.formats.qarray",
+           "jaxdec.quant.dfloat11": "jaxdec.formats.dfloat11",
+           "jaxdec.quant.actquant": "jaxdec.formats.actquant"}
+
+
+def current_module(module: str) -> str:
+    """`module` under its present name (see `RENAMED`): "jaxdec.spec.eagle3" ->
+    "jaxdec.speculative.eagle3"."""
+    for old, new in RENAMED.items():
+        if module == old or module.startswith(old + "."):
+            return new + module[len(old):]
+    return module
+
+
+def _renamed(desc):
+    """Skeleton `desc` with its class paths under their present module names."""
+    if isinstance(desc, dict):
+        return {k: (_renamed_ref(v) if k == "class" else _renamed(v)) for k, v in desc.items()}
+    if isinstance(desc, list):
+        return [_renamed(x) for x in desc]
+    return desc
+
+
+def _renamed_ref(ref: str) -> str:
+    module, _, qualname = ref.partition(":")
+    return f"{current_module(module)}:{qualname}"
+
+
 def _jaxdec_class(ref: str):
     module, _, qualname = ref.partition(":")
+    module = current_module(module)
     if module.split(".")[0] != "jaxdec":
         raise JaxdecError(f"drafter params name a class outside jaxdec ({ref}); refusing it")
     try:

@@ -35,14 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec import layers, quant
+from jaxdec import formats, layers
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.pytree import ParamSpec, init_params
-from jaxdec.spec.small_model import propose
-from jaxdec.spec.tree import TreeSpec
+from jaxdec.speculative.small_model import propose
+from jaxdec.speculative.tree import TreeSpec
 from jaxdec.train import losses
 
 STEP_WEIGHT = 0.8  # the loss weight of TTT step t is STEP_WEIGHT ** t (EAGLE-3)
@@ -123,7 +123,7 @@ trained, not saved: a drafter rebuilds them from its target)."""
 
 
 def _dense(w) -> jax.Array:
-    return quant.dequantize(w) if isinstance(w, quant.QArray) else w
+    return formats.dequantize(w) if isinstance(w, formats.QArray) else w
 
 
 def with_head(net: Eagle3Params, head) -> Eagle3Params:
@@ -141,8 +141,8 @@ def token_table(target: transformer.Params) -> transformer.Params:
 
 def head_columns(target: transformer.Params, d2t) -> jax.Array:
     """[D, V_draft]: the target's LM head restricted to the draft vocabulary."""
-    if isinstance(target.lm_head, quant.QArray):
-        return quant.take_columns(target.lm_head, d2t)
+    if isinstance(target.lm_head, formats.QArray):
+        return formats.take_columns(target.lm_head, d2t)
     return jnp.take(target.lm_head, jnp.asarray(d2t), axis=1)
 
 
@@ -344,7 +344,7 @@ def _keep(active, new: State, old: State) -> State:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Eagle3:
-    """The EAGLE-3 drafter (a `jaxdec.spec.core` Drafter); `params` are `DrafterParams`."""
+    """The EAGLE-3 drafter (a `jaxdec.speculative.core` Drafter); `params` are `DrafterParams`."""
 
     cfg: Eagle3Config
     k: int = 4

@@ -47,7 +47,7 @@ from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.sampling import Greedy, Sampler
-from jaxdec.spec import core, small_model
+from jaxdec.speculative import core, small_model
 
 METHODS = ("tli", "slem")
 _BACK = 4  # drafter tokens re-tokenized behind the committed end each round

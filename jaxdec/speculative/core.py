@@ -18,7 +18,7 @@ One round, inside one `lax.while_loop`:
    drafter is told what was accepted (`Drafter.accept`) and rolls its own state back.
 
 Rows accept different numbers of tokens: every row has its own length and emission count.
-A tree draft (EAGLE-2's dynamic tree, `jaxdec.spec.tree`) verifies every branch at once
+A tree draft (EAGLE-2's dynamic tree, `jaxdec.speculative.tree`) verifies every branch at once
 under a tree attention mask and keeps the longest accepted path.
 
 The Drafter protocol (a frozen dataclass, static under jit; its params travel separately):
@@ -156,7 +156,7 @@ def _round(tparams, dparams, cache, p: SpecProgress, key, limits, stops, *, samp
     d_key, v_key = jax.random.split(key)
     greedy = isinstance(sampler, Greedy)
     if drafter.tree is not None and greedy:
-        from jaxdec.spec import tree
+        from jaxdec.speculative import tree
         return tree.round(tparams, dparams, cache, p, d_key, limits, stops, cfg=cfg,
                           drafter=drafter, emit=_emit)
     draft, q, dstate = drafter.draft(dparams, p.drafter, p.last, p.active, d_key, sampler)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxdec.quant import cpu_kernel
-from jaxdec.quant.qarray import QArray, matmul_reference
+from jaxdec.ops import cpu_kernel
+from jaxdec.formats.qarray import QArray, matmul_reference
 
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:

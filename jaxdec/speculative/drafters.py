@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from jaxdec.errors import JaxdecError
-from jaxdec.spec.tree import TreeSpec
-from jaxdec.spec import core, small_model
+from jaxdec.speculative.tree import TreeSpec
+from jaxdec.speculative import core, small_model
 
 DEFAULT_K = 4
 _STREAM_ROUNDS = 4  # rounds per streamed chunk
@@ -26,7 +26,7 @@ _STREAM_ROUNDS = 4  # rounds per streamed chunk
 
 @dataclasses.dataclass(frozen=True)
 class CrossVocab:
-    """A drafter model with another vocabulary (`jaxdec.spec.hetero`): "tli" (token-level
+    """A drafter model with another vocabulary (`jaxdec.speculative.hetero`): "tli" (token-level
     intersection, lossless under sampling too) or "slem" (string-level exact match)."""
 
     model: object
@@ -41,12 +41,12 @@ def load(src: str, target, *, k: int | None = None, method: str = "tli",
     are loaded as `weights` (`jaxdec.load`'s: "int8", "int4", ... a cheaper drafter; a
     trained EAGLE-3 drafter's are quantised to "int8" or "int4", `with_weights`).
     `tree` "DEPTH,TOP_K,BUDGET" makes a checkpoint's drafter draft EAGLE-2 trees
-    (`jaxdec.spec.tree.TreeSpec`; "chain" makes a tree drafter draft chains)."""
+    (`jaxdec.speculative.tree.TreeSpec`; "chain" makes a tree drafter draft chains)."""
     import jaxdec
 
     path = pathlib.Path(src)
     if (path / "drafter.json").exists():
-        from jaxdec.spec import store
+        from jaxdec.speculative import store
         drafter = store.load_drafter(path, target)
         drafter = drafter if weights is None else with_weights(drafter, weights, src)
         drafter = drafter if tree is None else with_tree(drafter, tree, src)
@@ -76,8 +76,8 @@ def with_weights(drafter, weights: str, src: str = "the drafter"):
     """A trained EAGLE-3 drafter with its matmul weights stored as `weights` ("int8" or
     "int4", group-wise; "f32": as trained). Drafting reads the drafter's weights every
     draft token, a sizeable share of a round when the target is small."""
-    from jaxdec.quant import convert
-    from jaxdec.spec import eagle3
+    from jaxdec.formats import convert
+    from jaxdec.speculative import eagle3
 
     if weights == "f32":
         return drafter
@@ -123,7 +123,7 @@ def generate(model, rows, drafter, *, max_new_tokens, sampler, seed, stop_ids, s
         raise JaxdecError("speculative decoding runs on one device for now (no mesh)")
     stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
     if isinstance(drafter, CrossVocab):
-        from jaxdec.spec import hetero
+        from jaxdec.speculative import hetero
         ids, spec = hetero.generate(model, drafter.model, rows, method=drafter.method,
                                     k=drafter.k, max_new_tokens=max_new_tokens, sampler=sampler,
                                     seed=seed, stop_ids=stops)

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 
 from jaxdec.errors import JaxdecError
 from jaxdec.pytree import ParamSpec, is_spec
-from jaxdec.quant import dfloat11
-from jaxdec.quant.actquant import ActQuant
-from jaxdec.quant.qarray import QArray, dequantize, quantize
+from jaxdec.formats import dfloat11
+from jaxdec.formats.actquant import ActQuant
+from jaxdec.formats.qarray import QArray, dequantize, quantize
 
 # name -> (bits, keep any GGUF block width)
 FORMATS = {"int8": (8, False), "int4": (4, False), "gguf": (8, True)}

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from jaxdec.errors import JaxdecError
-from jaxdec.quant.qarray import QArray, validate
+from jaxdec.formats.qarray import QArray, validate
 
 _Q = gguf.GGMLQuantizationType
 BLOCK = 32
