@@ -24,6 +24,7 @@ test-all: $(VENV)/.test $(VENV)/.bench models corpora
 
 models: $(VENV)/.demo
 	$(JAXDEC) fetch qwen2.5-coder-0.5b
+	$(JAXDEC) fetch gemma3-270m
 
 corpora: $(VENV)/.demo
 	$(JAXDEC) fetch corpora

@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdec import decode, exec_cache, formats, sharding
-from jaxdec.cache import dense, kinds
+from jaxdec.batching import as_rows, check_context, check_ids, pad_rows
+from jaxdec.cache import dense
 from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
@@ -42,7 +43,7 @@ class Model:
     source: str = ""
     tensor_types: dict[str, str] = dataclasses.field(default_factory=dict)
     mesh: Mesh | None = None  # the device mesh the params are laid out on (None: one device)
-    kv_cache: str = "dense"  # the attention layers' cache kind (`jaxdec.cache.kinds`)
+    kv_cache: str = "dense"  # the attention layers' cache kind (`jaxdec.cache.dense`)
 
     @property
     def dtype(self):
@@ -82,13 +83,13 @@ def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: st
 
     `attention_impl` ("xla" | "pallas") is how decode steps attend, and `kv_cache`
     ("dense" | "paged" | "int8" | "int4") what the attention layers' cache keeps
-    (`jaxdec.cache.kinds`; the Pallas kernels run in interpret mode on the CPU).
+    (`jaxdec.cache.dense`; the Pallas kernels run in interpret mode on the CPU).
 
     `mesh` (a `jax.sharding.Mesh` or a spec such as "data=2,model=4", see
     `jaxdec.sharding`) lays the model out over devices: each parameter is read and only its
     slices are placed on their devices (from an orbax checkpoint, each process reads only
     its shards), so the whole model is never on one device; generation then runs sharded."""
-    kinds.check(kv_cache, attention_impl)
+    dense.check(kv_cache, attention_impl)
     if mesh is not None and (kv_cache, attention_impl) != ("dense", "xla"):
         raise JaxdecError("a mesh runs the dense KV cache with XLA attention only, for now "
                           f"(got kv_cache={kv_cache!r}, attention_impl={attention_impl!r})")
@@ -100,7 +101,7 @@ def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: st
 
 def with_attention(model: Model, attention_impl: str = "xla", kv_cache: str = "dense") -> Model:
     """The same weights decoding with `attention_impl` over a `kv_cache` cache (see `load`)."""
-    kinds.check(kv_cache, attention_impl)
+    dense.check(kv_cache, attention_impl, model.cfg)
     cfg = dataclasses.replace(model.cfg, attention_impl=attention_impl)
     return dataclasses.replace(model, cfg=cfg, kv_cache=kv_cache)
 
@@ -152,7 +153,7 @@ def init_cache(model: Model, batch: int, max_len: int) -> dense.KVCache:
     sharding.check_batch(batch, model.mesh)
     rules = sharding.rules_for(model.cfg, model.mesh)
     return dense.init_cache(model.cfg, batch, max_len, model.dtype,
-                            shardings=sharding.cache_shardings(model.cfg, model.mesh, rules))
+                            shardings=dense.cache_shardings(model.cfg, model.mesh, rules))
 
 
 def mesh_decode_step(model: Model, sampler: Sampler = Greedy()):
@@ -163,7 +164,7 @@ def mesh_decode_step(model: Model, sampler: Sampler = Greedy()):
         raise JaxdecError("mesh_decode_step needs a model loaded with mesh=...")
     rules = sharding.rules_for(model.cfg, model.mesh)
     return decode.sharded_decode_step(model.mesh, _layout(model.cfg, model.mesh, model.params),
-                                      sharding.cache_shardings(model.cfg, model.mesh, rules),
+                                      dense.cache_shardings(model.cfg, model.mesh, rules),
                                       sampler, model.cfg)
 
 
@@ -257,6 +258,7 @@ def _load_orbax(path: pathlib.Path, dtype, mesh) -> Model:
 
 def save(model: Model, path) -> pathlib.Path:
     """Write `model` as an orbax checkpoint directory (atomic; see checkpoint.orbax_io)."""
+    transformer.check_params(model.params, model.cfg, model.source)
     return orbax_io.save(path, model.params, model.cfg, model.tokenizer, source=model.source,
                          tensor_types=model.tensor_types,
                          extra={"qarrays": convert.describe(model.params)})
@@ -270,37 +272,15 @@ def _score(params, tokens, positions, cfg):
     return transformer.forward(params, tokens, positions, None, cfg)[0]
 
 
-def pad_rows(rows: Sequence[Sequence[int]], multiple: int = 1, *,
-             width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(i32[B, W] token rows right-padded with 0s, i32[B] their lengths): W is `width`, or
-    the longest row rounded up to a `multiple` (so few widths compile)."""
-    lens = np.array([len(r) for r in rows], np.int32)
-    if width is None:
-        width = max(1, int(-(-lens.max() // multiple) * multiple))
-    out = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out, lens
-
-
-def _as_rows(token_ids) -> list[list[int]]:
-    if isinstance(token_ids, (np.ndarray, jax.Array)):
-        arr = np.asarray(token_ids)
-        return [list(map(int, r)) for r in (arr[None] if arr.ndim == 1 else arr)]
-    rows = list(token_ids)
-    if rows and isinstance(rows[0], (int, np.integer)):
-        rows = [rows]
-    return [list(map(int, r)) for r in rows]
-
-
 def score(model: Model, token_ids) -> np.ndarray:
     """Logits f32[B, T, V] for a batch of token id rows (ragged rows: NaN past their end)."""
-    rows = _as_rows(token_ids)
+    rows = as_rows(token_ids)
     if not rows or min(len(r) for r in rows) == 0:
         raise JaxdecError("score needs at least one non-empty row of token ids")
-    _check_ids(rows, model.cfg.vocab_size)
+    transformer.check_params(model.params, model.cfg, model.source)
+    check_ids(rows, model.cfg.vocab_size)
     tokens, lens = pad_rows(rows, 16)
-    _check_context(model.cfg, int(lens.max()), 0)
+    check_context(model.cfg, int(lens.max()), 0)
     steps = np.arange(tokens.shape[1])[None]
     positions = np.where(steps < lens[:, None], steps, -1).astype(np.int32)
     if model.mesh is not None:
@@ -314,18 +294,6 @@ def score(model: Model, token_ids) -> np.ndarray:
     logits = logits[:, : lens.max()]
     logits[np.arange(logits.shape[1])[None] >= lens[:, None]] = np.nan
     return logits
-
-
-def _check_ids(rows, vocab: int) -> None:
-    for r in rows:
-        if r and (min(r) < 0 or max(r) >= vocab):
-            raise JaxdecError(f"token id out of range [0, {vocab}) in input")
-
-
-def _check_context(cfg: ModelConfig, prompt_len: int, max_new: int) -> None:
-    if prompt_len + max_new > cfg.max_position:
-        raise JaxdecError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the "
-                          f"model's context of {cfg.max_position} tokens")
 
 
 # ---------------------------------------------------------------------------- generation
@@ -381,16 +349,16 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
                  stream=None, stream_chunk: int = 4, drafter=None) -> GenerateResult:
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
-    _check_ids(rows, model.cfg.vocab_size)
+    check_ids(rows, model.cfg.vocab_size)
+    transformer.check_params(model.params, model.cfg, model.source)
     if drafter is not None:
-        from jaxdec.speculative import drafters
-        return drafters.generate(model, rows, drafter, max_new_tokens=int(max_new_tokens),
+        return _speculate(model, rows, drafter, max_new_tokens=int(max_new_tokens),
                                  sampler=sampler, seed=seed, stop_ids=stop_ids, stream=stream)
     n_rows = len(rows)
     if model.mesh is not None:  # fill the `data` axis with idle rows (token limit 0)
         rows = rows + [rows[0]] * _idle_rows(model, n_rows)
     tokens, lens = pad_rows(rows, 32)
-    _check_context(model.cfg, int(lens.max()), max_new_tokens)
+    check_context(model.cfg, int(lens.max()), max_new_tokens)
     capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
     cache = init_cache(model, len(rows), capacity)
     stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
@@ -457,3 +425,72 @@ def _emit(progress, stream, done: int) -> int:
 
 
 _MAX_CHUNK = 32
+_SPEC_STREAM_ROUNDS = 4  # speculation rounds per streamed chunk
+
+
+def _speculate(model: Model, rows, drafter, *, max_new_tokens, sampler, seed, stop_ids, stream):
+    """`generate_ids` with speculation: a drafter of the target's vocabulary through
+    `jaxdec.speculative.core`, one of another vocabulary through `hetero`."""
+    from jaxdec.speculative import core, hetero
+
+    if model.mesh is not None:
+        raise JaxdecError("speculative decoding runs on one device for now (no mesh)")
+    stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
+    if isinstance(drafter, hetero.CrossVocab):
+        ids, spec = hetero.generate(model, drafter.model, rows, method=drafter.method,
+                                    k=drafter.k, max_new_tokens=max_new_tokens, sampler=sampler,
+                                    seed=seed, stop_ids=stops)
+        tokens = np.full((len(rows), max_new_tokens), -1, np.int64)
+        for i, r in enumerate(ids):
+            tokens[i, : len(r)] = r
+        n_gen = np.array([len(r) for r in ids])
+        stopped = np.array([bool(r) and r[-1] in stops for r in ids])
+        _replay(stream, tokens, n_gen)
+        return result(model, rows, tokens, n_gen, stopped, spec)
+    tokens, lens = pad_rows(rows, 32)
+    check_context(model.cfg, int(lens.max()), max_new_tokens + core.draft_width(drafter))
+    need = core.need_capacity(tokens.shape[1], max_new_tokens, drafter)
+    cache = init_cache(model, len(rows), int(-(-need // 64) * 64))
+    core.check(model.cfg, cache, drafter, tokens.shape[1], max_new_tokens)
+    static = dict(sampler=sampler, cfg=model.cfg, drafter=dataclasses.replace(drafter, params=None),
+                  stop_ids=stops)
+    args = (model.params, drafter.params)
+    limits = np.full(len(rows), max_new_tokens, np.int32)
+    rng = jax.random.key(seed)
+    if stream is None:
+        p, _ = _run(model, core.generate, *args, cache, tokens, lens, rng, limits,
+                    max_new_tokens=max_new_tokens, **static)
+    else:
+        p = _speculate_streamed(model, args, cache, tokens, lens, rng, limits, max_new_tokens,
+                                static, stream)
+    p = jax.device_get(p)
+    return result(model, rows, p.tokens, p.n_generated, p.stopped, core.stats(p))
+
+
+def _speculate_streamed(model, args, cache, tokens, lens, rng, limits, max_new, static, stream):
+    """Run rounds chunk by chunk, handing each column of tokens that every running row has
+    produced to `stream(step, ids, active)` (rows accept different numbers per round)."""
+    from jaxdec.speculative import core
+
+    p, cache = _run(model, core.start, *args, cache, tokens, lens, rng, limits,
+                    max_new_tokens=max_new, **static)
+    done = 0
+    while True:
+        nxt, cache = _run(model, core.advance, *args, cache, p, rng, limits,
+                          _SPEC_STREAM_ROUNDS, **static)
+        host = jax.device_get(p)
+        ready = int(np.min(np.where(host.active, host.n_generated, max_new)))
+        done = _replay(stream, host.tokens, host.n_generated, done, ready)
+        if not host.active.any():
+            return p
+        p = nxt
+
+
+def _replay(stream, tokens, n_gen, done: int = 0, upto: int | None = None) -> int:
+    """Hand columns [done, upto) of the emitted ids to `stream`; returns upto."""
+    upto = int(np.max(n_gen)) if upto is None else upto
+    if stream is not None:
+        for j in range(done, upto):
+            col = np.asarray(tokens[:, j])
+            stream(j, col, col >= 0)
+    return max(done, upto)

@@ -6,7 +6,7 @@
     jaxdec compress-lossless SRC OUT   (DFloat11)
     jaxdec info     SRC
     jaxdec eval ppl --model SRC --corpus prose|code
-    jaxdec fetch    qwen2.5-coder-0.5b | corpora
+    jaxdec fetch    qwen2.5-coder-0.5b | gemma3-270m | corpora
     jaxdec distill  --target smollm2 --drafter small|eagle3|pard --out DIR [--steps N ...]
 
 Every user error is one line on stderr and a non-zero exit; never a traceback.
@@ -44,7 +44,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="how decode steps attend: XLA, or the Pallas kernels (interpret "
                         "mode on the CPU: slow, for checking)")
-    p.add_argument("--kv-cache", default="dense", choices=["dense", "paged", "int8", "int4"],
+    p.add_argument("--kv-cache", default="dense", choices=["dense", "paged", "int8", "int4", "window"],
                    help="the KV cache of attention layers: dense, paged (pages of 32 tokens), "
                         "int8 or int4 (group-wise quantised, 32 channels per scale)")
 
@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint); or a k-quant recipe Q8_0, Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, "
                         "Q4_K_M, Q3_K_M, DQ3_K_M (a GGUF file, from a GGUF source)")
     q.add_argument("--bits", type=int, default=4, help="weight bits (2, 3, 4, 8 by method)")
-    q.add_argument("--group", type=int, default=64, help="inputs per scale (must divide them)")
+    q.add_argument("--group", type=int, default=64,
+                   help="inputs per scale (a tensor whose inputs it does not divide gets a "
+                        "shorter last group, reported)")
     q.add_argument("--calib", type=int, default=32, metavar="N",
                    help="calibration windows (half prose, half code; the corpora's calib "
                         "split); DQ3_K_M measures each tensor's output KL on 4 of them "
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--batch-size", type=int, default=4)
 
     f = sub.add_parser("fetch", help="download a named model or the evaluation corpora")
-    f.add_argument("name", help="qwen2.5-coder-0.5b, smollm2, or corpora")
+    f.add_argument("name", help="qwen2.5-coder-0.5b, gemma3-270m, smollm2, or corpora")
 
     b = sub.add_parser("bench", help="decode speed of jaxdec and its peers, side by side")
     b.add_argument("--model", "-m", default="smollm2")

@@ -181,25 +181,35 @@ def _layer_bar(desc: str):
     return bar, progress
 
 
+def _calibration(args, model):
+    from jaxdec.quant import calibrate
+
+    encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
+    return calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
+
+
 def quantize(args) -> int:
-    from jaxdec.quant import calibrate, methods
+    from jaxdec import transforms
+    from jaxdec.quant import methods
 
     if args.method.upper() in _kquant_recipes():
         return _quantize_gguf(args)
     if args.method in ("kurtail", "hadamard"):
         return _quantize_rotated(args)
-    spec = methods.QuantSpec(method=args.method, bits=args.bits, group_size=args.group,
-                             alpha=args.alpha, act_order=args.act_order).check()
+    options = dict(bits=args.bits, group_size=args.group, alpha=args.alpha,
+                   act_order=args.act_order)
+    spec = methods.QuantSpec(method=args.method, **options).check()
     model = jaxdec.load(args.src)
-    calib = None
-    if spec.needs_calibration:
-        encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
-        calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
+    note = methods.short_group_note(model.params, spec)
+    if note:
+        print(note)
+    calib = _calibration(args, model) if transforms.get(spec.method).needs_calib else None
     bar, progress = _layer_bar(f"{spec.method} W{spec.bits}")
     with bar:
-        params = methods.quantize_model(model.params, model.cfg, spec, calib=calib,
-                                        progress=progress)
-    quantized = dataclasses.replace(model, params=params, source=f"{model.source} ({spec.method} W{spec.bits})")
+        params, cfg = transforms.apply(spec.method, model.params, model.cfg, calib,
+                                       progress=progress, **options)
+    quantized = dataclasses.replace(model, cfg=cfg, params=params,
+                                    source=f"{model.source} ({spec.method} W{spec.bits})")
     path = jaxdec.save(quantized, args.out)
     print(f"wrote {path} ({_human(_nbytes(params))} of parameters)")
     return 0
@@ -208,19 +218,18 @@ def quantize(args) -> int:
 def _quantize_rotated(args) -> int:
     """W{b}A{b}KV{b} with KurTail's learned or random block-Hadamard rotations folded into
     the weights (GPTQ weights per output channel): an orbax checkpoint."""
-    from jaxdec.quant import calibrate, kurtail
+    from jaxdec import transforms
+    from jaxdec.quant import kurtail
 
     if args.bits not in kurtail.ACT_BITS:  # checked before loading anything
         raise JaxdecError(f"{args.method} quantises weights, activations and KV cache to "
                           f"{' or '.join(map(str, kurtail.ACT_BITS))} bits, not {args.bits}")
     model = jaxdec.load(args.src)
-    encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
-    calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
+    calib = _calibration(args, model)
     bar, progress = _layer_bar(f"{args.method} W{args.bits}A{args.bits}KV{args.bits}")
-    with bar:
-        params = kurtail.table_row(model.params, model.cfg, args.method, args.bits, calib,
-                                   progress=progress)
-    cfg = dataclasses.replace(model.cfg, tie_embeddings=False)  # the rotations untie the head
+    with bar:  # (the rotations untie the LM head: cfg says so)
+        params, cfg = transforms.apply(args.method, model.params, model.cfg, calib,
+                                       bits=args.bits, progress=progress)
     quantized = dataclasses.replace(model, cfg=cfg, params=params,
                                     source=f"{model.source} ({args.method} W{args.bits}A{args.bits}KV{args.bits})")
     path = jaxdec.save(quantized, args.out)
@@ -245,11 +254,8 @@ def _quantize_gguf(args) -> int:
     recipe = args.method.upper()
     measured = None
     if recipe == "DQ3_K_M" and args.calib > 0:  # bits where the output suffers most
-        from jaxdec.quant import calibrate
-
         model = jaxdec.load(str(src))
-        encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
-        calib = calibrate.calibration_tokens(encode, n_windows=args.calib, window=args.calib_window)
+        calib = _calibration(args, model)
         bar, progress = _layer_bar("output KL per tensor")
         with bar:
             measured = kquants.kl_sensitivity(model.params, model.cfg, calib, progress=progress)
@@ -305,7 +311,9 @@ def info(args) -> int:
     for name in ("mla", "moe", "mamba"):
         if getattr(cfg, name) is not None:
             print(f"{name:<14}{getattr(cfg, name)}")
-    n, stored = pytree.param_count(model.params), _nbytes(model.params)
+    from jaxdec.formats import convert
+
+    n, stored = convert.param_count(model.params), _nbytes(model.params)
     print(f"parameters    {n:,} ({_human(stored)} stored: {model.weights} weights, "
           f"{8 * stored / n:.2f} bits a parameter; activations {model.dtype})")
     stored = collections.Counter(model.tensor_types.values())
@@ -377,7 +385,7 @@ _DRAFTER_OPTIONS = ("layers", "loss", "train_head", "k", "draft_vocab", "unroll"
 
 def distill(args) -> int:
     from jaxdec import train
-    from jaxdec.speculative import store
+    from jaxdec.train import store
 
     warmup = args.steps // 20 if args.warmup is None else args.warmup
     cfg = train.TrainConfig(steps=args.steps, batch_size=args.batch, lr=args.lr, warmup=warmup,

@@ -18,8 +18,15 @@ import json
 import math
 from typing import Any
 
+from jaxdec.errors import JaxdecError
+
 MIXERS = ("attention", "mla", "mamba")
 FFNS = ("mlp", "moe")
+
+
+class ConfigError(JaxdecError, ValueError):
+    """A config whose fields contradict each other (one line; a `ValueError` too, as config
+    errors always were)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +55,7 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.kind not in ("llama3", "linear", "yarn"):
-            raise ValueError(f"unsupported RoPE scaling {self.kind!r} (llama3, linear or yarn)")
+            raise ConfigError(f"unsupported RoPE scaling {self.kind!r} (llama3, linear or yarn)")
 
     @property
     def attention_factor(self) -> float:
@@ -111,15 +118,15 @@ class MoEConfig:
 
     def __post_init__(self):
         if self.router not in ("softmax", "sigmoid", "select"):
-            raise ValueError(f"unknown MoE router {self.router!r} (softmax, sigmoid or select)")
+            raise ConfigError(f"unknown MoE router {self.router!r} (softmax, sigmoid or select)")
         if not 0 < self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} experts per token is not in 1..{self.n_experts}")
+            raise ConfigError(f"top_k={self.top_k} experts per token is not in 1..{self.n_experts}")
         if self.n_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
-            raise ValueError(f"{self.n_experts} experts do not split into {self.n_group} groups "
-                             f"of which {self.topk_group} are kept")
+            raise ConfigError(f"{self.n_experts} experts do not split into {self.n_group} groups "
+                              f"of which {self.topk_group} are kept")
         if self.d_expert <= 0 or self.d_shared < 0:
-            raise ValueError(f"expert sizes must be positive (d_expert={self.d_expert}, "
-                             f"d_shared={self.d_shared})")
+            raise ConfigError(f"expert sizes must be positive (d_expert={self.d_expert}, "
+                              f"d_shared={self.d_shared})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,9 +144,9 @@ class MambaConfig:
 
     def __post_init__(self):
         if self.n_groups <= 0 or self.n_heads % self.n_groups:
-            raise ValueError(f"{self.n_heads} Mamba heads do not split into {self.n_groups} groups")
+            raise ConfigError(f"{self.n_heads} Mamba heads do not split into {self.n_groups} groups")
         if self.d_conv < 1 or self.chunk < 1:
-            raise ValueError(f"conv kernel {self.d_conv} and chunk {self.chunk} must be positive")
+            raise ConfigError(f"conv kernel {self.d_conv} and chunk {self.chunk} must be positive")
 
     @property
     def d_inner(self) -> int:
@@ -182,8 +189,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
-    mlp_act: str = "silu"  # "silu": SwiGLU (gate, up, down); "relu2": down(relu(up x)^2)
+    mlp_act: str = "silu"  # "silu": SwiGLU (gate, up, down); "relu2": down(relu(up x)^2);
+    # "gelu_tanh": GeGLU with the tanh approximation (Gemma)
     layer_types: tuple[str, ...] = ()
+    # Each attention layer's sliding window (keys at most window - 1 positions back), None
+    # for a global layer; empty: every layer global. See `window`.
+    layer_windows: tuple[int | None, ...] = ()
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     mamba: MambaConfig | None = None
@@ -194,26 +205,89 @@ class ModelConfig:
     # Tokens that end a row's generation (EOS and the chat turn terminator).
     eos_ids: tuple[int, ...] = ()
     bos_id: int | None = None
+    # Gemma 3, all off by default: embeddings times `embed_scale` (sqrt(D)); an RMSNorm on each
+    # sublayer's output before the residual add (`post_norms`); attention scores times
+    # `query_scale` (None: H ** -0.5); windowed layers rotated with base `rope_local_theta` and
+    # no scaling (None: as the global layers).
+    embed_scale: float | None = None
+    post_norms: bool = False
+    query_scale: float | None = None
+    rope_local_theta: float | None = None
+    # Per-layer widths (a pruned model): each layer's query heads, kv heads and dense-MLP
+    # width; empty: n_heads, n_kv_heads, d_ff in every layer. See `heads`, `kv_heads`,
+    # `ffn_width`. head_dim stays the same in every layer.
+    layer_heads: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_ffn: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.attention_impl not in ("xla", "pallas"):
-            raise ValueError(f"unknown attention implementation {self.attention_impl!r} (xla or pallas)")
-        if self.mlp_act not in ("silu", "relu2"):
-            raise ValueError(f"unsupported MLP activation {self.mlp_act!r} (silu or relu2)")
+            raise ConfigError(f"unknown attention implementation {self.attention_impl!r} (xla or pallas)")
+        if self.mlp_act not in ("silu", "relu2", "gelu_tanh"):
+            raise ConfigError(f"unsupported MLP activation {self.mlp_act!r} (silu, relu2 or gelu_tanh)")
+        for name in ("embed_scale", "query_scale", "rope_local_theta"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.layer_types and len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types names {len(self.layer_types)} layers, "
-                             f"n_layers is {self.n_layers}")
+            raise ConfigError(f"layer_types names {len(self.layer_types)} layers, "
+                              f"n_layers is {self.n_layers}")
+        if self.layer_windows and len(self.layer_windows) != self.n_layers:
+            raise ConfigError(f"layer_windows names {len(self.layer_windows)} layers, "
+                              f"n_layers is {self.n_layers}")
+        if any(w is not None and w <= 0 for w in self.layer_windows):
+            raise ConfigError(f"sliding windows must be positive, got {self.layer_windows}")
         for i, kind in enumerate(self.layer_types):
             mixer, ffn = split_layer_type(kind)
             for part, needs in ((mixer, "mla"), (mixer, "mamba"), (ffn, "moe")):
                 if part == needs and getattr(self, needs) is None:
-                    raise ValueError(f"layer {i} is {kind!r} but the config has no {needs} settings")
+                    raise ConfigError(f"layer {i} is {kind!r} but the config has no {needs} settings")
+        self._check_widths()
+
+    def _check_widths(self) -> None:
+        for name in ("layer_heads", "layer_kv_heads", "layer_ffn"):
+            widths = getattr(self, name)
+            if widths and len(widths) != self.n_layers:
+                raise ConfigError(f"{name} names {len(widths)} layers, n_layers is {self.n_layers}")
+            if any(not isinstance(w, int) or w <= 0 for w in widths):
+                raise ConfigError(f"{name} must be positive ints, got {widths}")
+        for i in range(self.n_layers if self.layer_heads or self.layer_kv_heads else 0):
+            if self.heads(i) % self.kv_heads(i):
+                raise ConfigError(f"layer {i}: {self.heads(i)} query heads are not a multiple of "
+                                  f"its {self.kv_heads(i)} kv heads")
+        for i, (mixer, ffn) in enumerate(self.kinds if not self.uniform_widths else ()):
+            # only attention and dense-MLP sublayers are declared with per-layer widths
+            attn = (self.heads(i), self.kv_heads(i)) != (self.n_heads, self.n_kv_heads)
+            if (attn and mixer != "attention") or (self.ffn_width(i) != self.d_ff and ffn != "mlp"):
+                raise ConfigError(f"layer {i} is {'+'.join(filter(None, (mixer, ffn)))!r}: per-layer "
+                                  "widths apply to attention heads and dense MLPs only")
+
+    def heads(self, i: int) -> int:
+        """N of layer i (query heads of its attention or MLA mixer)."""
+        return self.layer_heads[i] if self.layer_heads else self.n_heads
+
+    def kv_heads(self, i: int) -> int:
+        """K of layer i (the kv heads its cache entry holds)."""
+        return self.layer_kv_heads[i] if self.layer_kv_heads else self.n_kv_heads
+
+    def ffn_width(self, i: int) -> int:
+        """F of layer i's dense MLP."""
+        return self.layer_ffn[i] if self.layer_ffn else self.d_ff
+
+    @property
+    def uniform_widths(self) -> bool:
+        """Every layer has n_heads, n_kv_heads and d_ff (no per-layer widths)."""
+        return not (self.layer_heads or self.layer_kv_heads or self.layer_ffn)
+
+    def window(self, i: int) -> int | None:
+        """Layer i's sliding window (a query at position p sees keys at p - window + 1 .. p),
+        or None when it attends to its whole past."""
+        return self.layer_windows[i] if self.layer_windows else None
 
     @property
     def group(self) -> int:
@@ -225,6 +299,14 @@ class ModelConfig:
         """(mixer, feed-forward) of every layer; None where a layer has no such sublayer."""
         types = self.layer_types or ("attention+mlp",) * self.n_layers
         return tuple(split_layer_type(t) for t in types)
+
+    def rope_of(self, window: int | None) -> tuple[float, RopeScaling | None]:
+        """The RoPE base and scaling of a layer with sliding window `window` (`window(i)`):
+        `rope_local_theta`, unscaled, on a windowed layer when that is set (Gemma 3's local
+        layers), else `rope_theta` and `rope_scaling`."""
+        if window is not None and self.rope_local_theta is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -238,6 +320,9 @@ class ModelConfig:
                 d[name] = sub(**d[name])
         d["eos_ids"] = tuple(d.get("eos_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["layer_windows"] = tuple(d.get("layer_windows", ()))
+        for name in ("layer_heads", "layer_kv_heads", "layer_ffn"):
+            d[name] = tuple(d.get(name, ()))
         return cls(**d)
 
 
@@ -247,6 +332,6 @@ def split_layer_type(kind: str) -> tuple[str | None, str | None]:
     mixer = parts[0] if parts[0] in MIXERS else None
     ffn = parts[-1] if parts[-1] in FFNS else None
     if len(parts) > 2 or [p for p in (mixer, ffn) if p] != parts:
-        raise ValueError(f"unknown layer type {kind!r}: a mixer ({', '.join(MIXERS)}) and/or "
-                         f"a feed-forward ({', '.join(FFNS)}), joined by '+'")
+        raise ConfigError(f"unknown layer type {kind!r}: a mixer ({', '.join(MIXERS)}) and/or "
+                          f"a feed-forward ({', '.join(FFNS)}), joined by '+'")
     return mixer, ffn

@@ -100,7 +100,7 @@ def data_parallel_decode_step(mesh, sampler: Sampler, cfg: ModelConfig):
     from jaxdec.pytree import LogicalRules
 
     rows = P("data")
-    cache_spec = sharding.cache_specs(cfg, LogicalRules((("batch", "data"),)))
+    cache_spec = dense.cache_specs(cfg, LogicalRules((("batch", "data"),)))
     local = partial(decode_step.__wrapped__, sampler=sampler, cfg=cfg)  # the body, unjitted
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), cache_spec, rows, P()),
                            out_specs=(rows, cache_spec), check_vma=False)
@@ -132,7 +132,7 @@ def _emit(p: Progress, tok, limits, stops) -> Progress:
                     n_generated=n_gen, stopped=p.stopped | hit, tokens=tokens))
 
 
-def _stops(stop_ids: tuple[int, ...]) -> jax.Array:
+def stop_array(stop_ids: tuple[int, ...]) -> jax.Array:
     return jnp.asarray(stop_ids or (-1,), jnp.int32)
 
 
@@ -144,12 +144,12 @@ def _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg, max_n
                      n_generated=jnp.zeros(b, jnp.int32), stopped=jnp.zeros(b, bool),
                      tokens=jnp.full((b, max_new_tokens), -1, jnp.int32))
     first = sampler(logits, jax.random.fold_in(rng, 0))
-    return _emit(empty, first, limits, _stops(stop_ids)), cache
+    return _emit(empty, first, limits, stop_array(stop_ids)), cache
 
 
 def _advance(params, cache, p: Progress, rng, limits, stop_at, sampler, cfg, stop_ids):
     """Decode until step `stop_at` (or the buffer end), or until every row has stopped."""
-    stops, end = _stops(stop_ids), jnp.minimum(stop_at, p.tokens.shape[1])
+    stops, end = stop_array(stop_ids), jnp.minimum(stop_at, p.tokens.shape[1])
 
     def cond(carry):
         p, _ = carry

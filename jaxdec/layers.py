@@ -20,7 +20,7 @@ from jaxdec.formats import dfloat11
 from jaxdec.ops.qmatmul import qmatmul
 from jaxdec.formats.actquant import ActQuant, quantize_input, quantize_output
 from jaxdec.formats.actquant import validate as validate_act
-from jaxdec.formats.qarray import QArray
+from jaxdec.formats.qarray import QArray, dequantize
 from jaxdec.formats.tap import Tap, record
 from jaxdec.sharding import split_axes
 
@@ -65,6 +65,18 @@ def linear(x: jax.Array, w: jax.Array, n_in: int = 1, *, dtype=None) -> jax.Arra
     else:  # the CPU kernel for few rows (decode), XLA's dot otherwise
         y = cpu_kernel.dense_matmul(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*x.shape[:x.ndim - n_in], *out_shape).astype(dtype or x.dtype)
+
+
+def weight_value(w) -> jax.Array:
+    """The values of a weight of any format as an array of its logical shape: a float array
+    as it is, a `QArray` dequantised (float32, exactly its stored values), a DFloat11 one
+    decompressed. For the products that are not `linear` (MLA's per-head absorbed
+    up-projections contract a weight's output axes)."""
+    if isinstance(w, QArray):
+        return dequantize(w, jnp.float32)
+    if isinstance(w, dfloat11.DF11Array):
+        return dfloat11.decompress(w)
+    return w
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -132,17 +144,21 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up)); without a gate (`w_gate` None) the squared
-    ReLU MLP down(relu(x @ up)^2) of Nemotron-H. x: [..., D]."""
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: str = "silu") -> jax.Array:
+    """down(act(x @ gate) * (x @ up)) (SwiGLU; GeGLU for act "gelu_tanh"); without a gate
+    (`w_gate` None) the squared ReLU MLP down(relu(x @ up)^2) of Nemotron-H. x: [..., D]."""
     with jax.named_scope("mlp"):
-        return linear(mlp_act(None if w_gate is None else linear(x, w_gate), linear(x, w_up)), w_down)
+        gate = None if w_gate is None else linear(x, w_gate)
+        return linear(mlp_act(gate, linear(x, w_up), act), w_down)
 
 
-def mlp_act(gate, up):
-    """The MLP's hidden activations from its two projections: silu(gate) * up (SwiGLU), or
-    relu(up)^2 without a gate (Nemotron-H). Dense MLPs and MoE experts share it."""
-    return jax.nn.silu(gate) * up if gate is not None else jnp.square(jax.nn.relu(up))
+def mlp_act(gate, up, act: str = "silu"):
+    """The MLP's hidden activations from its two projections: act(gate) * up, act silu
+    (SwiGLU) or the tanh-approximated GELU ("gelu_tanh", Gemma's GeGLU), or relu(up)^2
+    without a gate (Nemotron-H). Dense MLPs and MoE experts share it."""
+    if gate is None:
+        return jnp.square(jax.nn.relu(up))
+    return (jax.nn.gelu(gate, approximate=True) if act == "gelu_tanh" else jax.nn.silu(gate)) * up
 
 
 def attention(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:

@@ -36,15 +36,12 @@ CPU backend streams `x @ W` with W stored (K, N) several times faster than `x @ 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdec.formats.dfloat11 import DF11Array
-from jaxdec.formats.qarray import QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +49,9 @@ class ParamSpec:
     """One declared parameter: shape, one logical axis name per dimension, initializer.
 
     `n_in` marks a matmul weight (used as `layers.linear(x, w, n_in)`): its first `n_in`
-    dims are contracted. Weight transforms (quantisation) act on exactly these.
+    dims are contracted. Weight transforms (quantisation) act on exactly these. `n_batch`
+    leading dims before them index a stack of such weights (a MoE layer's experts [E, D, F]:
+    n_batch=1, n_in=1), each quantised on its own.
     """
 
     shape: tuple[int, ...]
@@ -60,10 +59,13 @@ class ParamSpec:
     init: str = "normal"  # "normal" (std `scale`), "ones" or "zeros"
     scale: float = 0.02
     n_in: int | None = None
+    n_batch: int = 0
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+        if self.n_batch and (self.n_in is None or self.n_batch + self.n_in >= len(self.shape)):
+            raise ValueError(f"n_batch={self.n_batch} needs a matmul weight (n_in) after it")
         if self.init not in ("normal", "ones", "zeros"):
             raise ValueError(f"unknown initializer {self.init!r}")
 
@@ -123,13 +125,6 @@ class LogicalRules:
 
 def partition_specs(decl: Any, rules: LogicalRules) -> Any:
     return map_specs(lambda s: rules.spec(s.axes), decl)
-
-
-def param_count(tree: Any) -> int:
-    """Logical parameter count (a quantised or DFloat11 matrix counts its K * N weights)."""
-    is_q = lambda x: isinstance(x, (QArray, DF11Array))
-    return sum(math.prod(x.shape) if is_q(x) else int(x.size)
-               for x in jax.tree.leaves(tree, is_leaf=is_q))
 
 
 def param_bytes(tree: Any) -> int:

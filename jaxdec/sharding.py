@@ -138,19 +138,21 @@ def rules_for(cfg: ModelConfig, mesh) -> LogicalRules:
     size = dict(mesh.shape)
     model, expert = size.get("model", 1), size.get("expert", 1)
 
-    def need(axis: str, n_axis: int, count: int, what: str):
+    def need(axis: str, n_axis: int, count: int, what: str, where: str = "this model"):
         if count % n_axis:
             raise JaxdecError(f"mesh axis {axis!r} of size {n_axis} does not divide the "
-                              f"{count} {what} of this model")
+                              f"{count} {what} of {where}")
 
     mixers = {m for m, _ in cfg.kinds}
     ffns = {f for _, f in cfg.kinds}
-    if mixers & {"attention", "mla"}:
-        need("model", model, cfg.n_heads, "query heads")
+    for i, (mixer, ffn) in enumerate(cfg.kinds):  # (widths may differ per layer: name it)
+        where = "this model" if cfg.uniform_widths else f"layer {i}"
+        if mixer in ("attention", "mla"):
+            need("model", model, cfg.heads(i), "query heads", where)
+        if ffn == "mlp":
+            need("model", model, cfg.ffn_width(i), "MLP units", where)
     if "mamba" in mixers:
         need("model", model, cfg.mamba.n_heads, "Mamba heads")
-    if "mlp" in ffns:
-        need("model", model, cfg.d_ff, "MLP units")
     if "moe" in ffns:
         need("expert", expert, cfg.moe.n_experts, "experts")
         need("model", model, cfg.moe.d_expert, "hidden units per expert")
@@ -164,7 +166,8 @@ def rules_for(cfg: ModelConfig, mesh) -> LogicalRules:
              ("expert", present("expert")), ("mamba_heads", present("model")),
              ("mamba_groups", present("model") if cfg.mamba and cfg.mamba.n_groups % model == 0
               else None),
-             ("kv_heads", present("model") if cfg.n_kv_heads % model == 0 else None),
+             ("kv_heads", present("model") if all(cfg.kv_heads(i) % model == 0
+                                                  for i in range(cfg.n_layers)) else None),
              ("vocab", present("model") if cfg.vocab_size % model == 0 else None)]
     return LogicalRules(tuple(rules))
 
@@ -190,9 +193,12 @@ def _flat_axis(rules: LogicalRules, axes: tuple, size: int, mesh) -> str | None:
 def qarray_shardings(w: QArray, axes: tuple, mesh, rules: LogicalRules) -> QArray:
     """NamedShardings of a quantised weight's arrays (q [K, N], scale/offset [K/g, N]),
     following the logical axes of its in and out dimensions."""
+    if w.n_batch:
+        raise JaxdecError("quantised MoE experts are not laid out on a mesh yet: load the "
+                          "model on a mesh without --weights int8/int4, or on one device")
     n_in = w.n_in
     out_axis = _flat_axis(rules, axes[n_in:], w.n, mesh)
-    in_axis = _flat_axis(rules, axes[:n_in], w.k // w.group_size, mesh)  # whole groups per shard
+    in_axis = _flat_axis(rules, axes[:n_in], w.n_groups, mesh)  # whole groups per shard
     in_axis = None if in_axis == out_axis else in_axis
     named = lambda: NamedSharding(mesh, PartitionSpec(in_axis, out_axis))
     return QArray(q=named(), scale=named(), offset=None if w.offset is None else named(),
@@ -210,32 +216,6 @@ def param_shardings(decl, params, mesh, rules: LogicalRules):
         return NamedSharding(mesh, rules.spec(spec.axes))
 
     return jax.tree.map(one, decl, params, is_leaf=lambda x: x is None or is_spec(x))
-
-
-def cache_specs(cfg: ModelConfig, rules: LogicalRules, to=lambda spec: spec):
-    """The PartitionSpecs of a `dense.KVCache` of `cfg` (a KVCache of them), each passed
-    through `to` (e.g. into a NamedSharding)."""
-    from jaxdec.cache import dense
-
-    one = lambda axes: to(rules.spec(axes))
-    entry = lambda axes: None if axes is None else jax.tree.map(
-        one, axes, is_leaf=lambda x: isinstance(x, tuple))
-    return dense.KVCache(layers=tuple(entry(dense.entry_axes(m)) for m, _ in cfg.kinds),
-                         lengths=one(("batch",)))
-
-
-def cache_shardings(cfg: ModelConfig, mesh, rules: LogicalRules):
-    """The NamedShardings of a `dense.KVCache` of `cfg` on `mesh`."""
-    return cache_specs(cfg, rules, lambda spec: NamedSharding(mesh, spec))
-
-
-def constrain_cache(cache, cfg: ModelConfig):
-    """Pin a cache computed inside a jit to its layout (`cache_specs`) when traced under a
-    split mesh, so that a donated cache comes back laid out as it went in; else `cache`."""
-    if cache is None or not split_axes():
-        return cache
-    specs = cache_specs(cfg, rules_for(cfg, jax.sharding.get_abstract_mesh()))
-    return jax.lax.with_sharding_constraint(cache, specs)
 
 
 def replicated(tree):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from device_bench import copy_bandwidth, timed  # noqa: E402
-from jaxdec.cache import quantized  # noqa: E402
+from jaxdec.formats import kvquant  # noqa: E402
 from jaxdec.formats.qarray import quantize  # noqa: E402
 from pallas_kernels import decode_attention as da  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
@@ -73,7 +73,7 @@ def cases(p, interpret: bool):
                 pa.bytes_moved(q, kp, table, np.asarray(lengths))))
     for bits in (8, 4):
         fmt = dict(bits=bits, granularity="group", group_size=32, scale_dtype=jnp.bfloat16)
-        kq, vq = quantized.quantize_kv(k, **fmt), quantized.quantize_kv(v, **fmt)
+        kq, vq = kvquant.quantize_kv(k, **fmt), kvquant.quantize_kv(v, **fmt)
         out.append((f"quantized_kv_attention int{bits} g32",
                     lambda impl, kq=kq, vq=vq: qa.quantized_kv_attention(
                         q, kq, vq, lengths, implementation=impl, **run),

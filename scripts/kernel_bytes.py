@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from jaxdec.cache.quantized import QuantKV  # noqa: E402
+from jaxdec.formats.kvquant import QuantKV  # noqa: E402
 from jaxdec.formats.qarray import QArray  # noqa: E402
 from pallas_kernels import decode_attention as da  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402

@@ -27,8 +27,7 @@ import jax
 import numpy as np
 
 import jaxdec
-from jaxdec import api, corpora, perplexity
-from jaxdec.models import moefy
+from jaxdec import api, corpora, perplexity, transforms
 
 
 def _decode_rate(model, prompt: list[int], new: int, repeats: int) -> float:
@@ -84,8 +83,8 @@ def main(argv=None) -> None:
     prompts = [list(map(int, w[:a.prompt_len])) for w in evals[:a.prompts]]
 
     t0 = time.perf_counter()
-    cfg, params = moefy.moefy_model(dense.params, dense.cfg, calib, n_experts=a.experts,
-                                    top_k=a.experts, n_shared=a.shared)
+    params, cfg = transforms.apply("moefy", dense.params, dense.cfg, calib, n_experts=a.experts,
+                                   top_k=a.experts, n_shared=a.shared)
     print(f"MoEfied SmolLM2-135M into {a.experts} experts of {cfg.moe.d_expert} neurons per layer "
           f"(+ {a.shared} shared) on {len(calib)} calibration windows of {a.window} tokens in "
           f"{time.perf_counter() - t0:.0f} s")

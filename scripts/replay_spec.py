@@ -18,7 +18,8 @@ import numpy as np
 import jaxdec
 from jaxdec.errors import JaxdecError
 from jaxdec.ops import cpu_kernel
-from jaxdec.speculative import eagle3, store
+from jaxdec.speculative import eagle3
+from jaxdec.train import store
 from jaxdec.train import data, loop
 
 

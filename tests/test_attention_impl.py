@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_one_line_error, jax_model
 
 from jaxdec import api, decode
-from jaxdec.cache import dense, kinds, paged
+from jaxdec.cache import dense, paged
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 NEW = 10
@@ -52,8 +52,8 @@ def test_quantized_cache_pallas_matches_xla(kind):
     _, cache = decode.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lens), model.cfg)
     q = jnp.asarray(np.random.default_rng(0).standard_normal((3, model.cfg.n_heads, 64)), jnp.float32)
     for entry in cache.layers[::7]:
-        want = kinds.decode_attention(q, entry, cache.lengths, "xla")
-        got = kinds.decode_attention(q, entry, cache.lengths, "pallas")
+        want = entry.attend(q, cache.lengths - 1, "xla")
+        got = entry.attend(q, cache.lengths - 1, "pallas")
         np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -75,18 +75,19 @@ def test_paged_cache_writes_through_the_page_table():
     the dense view gives it back at slot t; padding goes to the scratch page."""
     import jax.numpy as jnp
 
-    layer = kinds.attention_entry("paged", jax_model("smollm2").cfg, 3, 40, jnp.float32, page_size=16)
+    cfg = jax_model("smollm2").cfg
+    layer = paged.empty(3, cfg.n_kv_heads, cfg.head_dim, 40, jnp.float32, page_size=16)
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((3, 2, 3, 64)), jnp.float32)
     positions = jnp.array([[0, 1], [17, 18], [-1, 39]], jnp.int32)
-    out = paged.write(layer, k, k + 1, positions)
+    out = layer.write(k, k + 1, positions, positions)
     table = np.asarray(out.page_table)
     for b, (t0, t1) in enumerate(np.asarray(positions)):
         for j, t in enumerate((t0, t1)):
             if t >= 0:
                 np.testing.assert_array_equal(out.k_pages[:, table[b, t // 16], t % 16], k[b, j])
     assert np.all(np.asarray(out.k_pages[:, -1, 0]) == np.asarray(k[2, 0]))  # the padding token
-    kd, vd = paged.dense_view(out)
+    kd, vd = out.view(jnp.float32)
     np.testing.assert_array_equal(kd[1, :, 17], k[1, 0])
     np.testing.assert_array_equal(vd[1, :, :, 18], k[1, 1] + 1)
     assert dense.KVCache(layers=(out,), lengths=jnp.zeros(3, jnp.int32)).capacity == 48

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdec.bench import decode_bench
+from jaxdec.bench import decode_bench, roofline
 
 
 def test_device_bench_smoke(tmp_path):
@@ -107,10 +107,10 @@ def test_step_bytes_counts_stored_weights():
         def __init__(self, p):
             self.params, self.cfg = p, cfg
 
-    f32 = decode_bench.step_bytes(M(params), 1, 0)
-    q4 = decode_bench.step_bytes(M(quantize_params(params, transformer.declare(cfg), "int4")), 1, 0)
+    f32 = roofline.step_bytes(M(params), 1, 0)
+    q4 = roofline.step_bytes(M(quantize_params(params, transformer.declare(cfg), "int4")), 1, 0)
     assert 0.1 < q4 / f32 < 0.25
-    assert decode_bench.step_bytes(M(params), 2, 10) > f32
+    assert roofline.step_bytes(M(params), 2, 10) > f32
 
 
 def test_kernel_bytes_table():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -133,3 +132,30 @@ def test_refuses_to_overwrite_non_checkpoint(tmp_path):
     with pytest.raises(JaxdecError, match="not a jaxdec checkpoint"):
         jaxdec.save(jax_model("smollm2"), precious)
     assert (precious / "a.txt").read_text() == "keep me"
+
+
+def test_quantize_reports_short_groups(tmp_path):
+    """`jaxdec quantize --group G` with G dividing neither the tiny model's D nor its F: one
+    stdout line names the matmuls whose last group is short, and the checkpoint written is
+    the "gptq" weight transform's model (`jaxdec.transforms`) on the same calibration set."""
+    import dataclasses
+
+    from jaxdec import transforms
+    from jaxdec.quant import calibrate
+    from tiny_hf import D, FFN, save_tiny_checkpoint
+
+    src, out, g = save_tiny_checkpoint(tmp_path / "tiny"), tmp_path / "q", 40
+    r = run("quantize", str(src), str(out), "--method", "gptq", "--bits", "4", "--group", str(g),
+            "--calib", "2", "--calib-window", "64")
+    assert r.returncode == 0, r.stderr[-2000:]
+    notes = [line for line in r.stdout.splitlines() if line.startswith(f"group {g}:")]
+    assert len(notes) == 1, r.stdout
+    for names, k in (("wq, wk, wv, wo, w_gate, w_up", D), ("w_down", FFN)):
+        assert f"{names} has {k % g} of {g} columns ({k} = {k // g} x {g} + {k % g})" in notes[0]
+    model = jaxdec.load(str(src))
+    encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)
+    calib = calibrate.calibration_tokens(encode, n_windows=2, window=64)
+    params, cfg = transforms.apply("gptq", model.params, model.cfg, calib, bits=4, group_size=g)
+    rows = [[1, 50, 34, 28, 42, 31], [97, 28, 12]]
+    np.testing.assert_array_equal(api.score(jaxdec.load(str(out)), rows),
+                                  api.score(dataclasses.replace(model, params=params, cfg=cfg), rows))

@@ -376,13 +376,18 @@ def test_a_few_adam_steps_lower_the_loss(trained):
     assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
 
 
-@pytest.mark.parametrize("tree,weights", [(None, None), ("3,2,6", None), (None, "int8")],
-                         ids=["chain", "tree", "chain-int8"])
-def test_greedy_speculation_is_lossless(tiny, trained, tree, weights):
-    """core.generate with the drafter emits exactly plain greedy decoding's tokens, on
-    ragged prompts: two it was trained on (drafts get accepted), two new ones. The tree
-    drafter is made as `--draft-tree 3,2,6` makes it, the int8 one as `--draft-weights
-    int8` does."""
+@pytest.mark.parametrize("tree,weights,kind", [
+    (None, None, "dense"), ("3,2,6", None, "dense"), (None, "int8", "dense"),
+    *((t, None, k) for k in ("paged", "int8", "int4") for t in (None, "3,2,6"))],
+    ids=["chain", "tree", "chain-int8", *(f"{t}-{k}-cache" for k in ("paged", "int8", "int4")
+                                         for t in ("chain", "tree"))])
+def test_greedy_speculation_is_lossless(tiny, trained, tree, weights, kind):
+    """core.generate with the drafter emits exactly plain greedy decoding's tokens over the
+    same cache kind, on ragged prompts: two it was trained on (drafts get accepted), two new
+    ones. The tree drafter is made as `--draft-tree 3,2,6` makes it, the int8 one as
+    `--draft-weights int8` does. Over a paged cache the pool is NaN but where rows write,
+    and over a quantised kind the verification chunk reads its keys as stored, as a decode
+    step does, so the tokens are plain decoding's on that kind, not dense's."""
     task, params, _, seen = trained
     drafter = task.drafter(params)
     if weights is not None:
@@ -402,10 +407,11 @@ def test_greedy_speculation_is_lossless(tiny, trained, tree, weights):
     lens, limits = jnp.asarray(lens, jnp.int32), jnp.asarray(rng.integers(8, new + 1, b), jnp.int32)
     cap = core.need_capacity(10, new, drafter)
     run = dict(sampler=sampling.Greedy(), cfg=tiny.cfg, max_new_tokens=new)
-    want, _ = decode.generate_tokens(tiny.params, dense.init_cache(tiny.cfg, b, cap), prompts,
-                                     lens, jax.random.key(0), limits, **run)
-    got, _ = core.generate(tiny.params, drafter.params, dense.init_cache(tiny.cfg, b, cap),
-                           prompts, lens, jax.random.key(0), limits, drafter=drafter, **run)
+    options = dict(fill=np.nan, page_size=8) if kind == "paged" else {}
+    cache = lambda: dense.init_cache(tiny.cfg, b, cap, kind=kind, **options)
+    want, _ = decode.generate_tokens(tiny.params, cache(), prompts, lens, jax.random.key(0), limits, **run)
+    got, _ = core.generate(tiny.params, drafter.params, cache(), prompts, lens, jax.random.key(0),
+                           limits, drafter=drafter, **run)
     np.testing.assert_array_equal(np.asarray(got.tokens[:, :new]), np.asarray(want.tokens))
     assert int(jnp.sum(got.accepted[1:])) > 0, np.asarray(got.accepted)
 
@@ -469,7 +475,7 @@ def test_head_from_the_target(tiny, head, tmp_path):
     of the draft vocabulary (a float64 NumPy reference). A frozen head is no trained param:
     AdamW with weight decay leaves it as it was, the checkpoint does not carry it, and the
     loaded drafter takes it from the target again."""
-    from jaxdec.speculative import store
+    from jaxdec.train import store
 
     rng = np.random.default_rng()
     task = make_task(tiny, rng, head=head)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdec.cache.quantized import empty_kv, quantize_kv
+from jaxdec.formats.kvquant import empty_kv, quantize_kv
 from pallas_kernels import decode_attention
 from pallas_kernels.quantized_kv_attention import bytes_moved, quantized_kv_attention
 from pallas_kernels.quantized_kv_attention import reference
@@ -118,7 +118,7 @@ def test_xla_path_is_the_reference():
     the dequantised K and V."""
     from numpy_attention import attention_f64, prefix_visible
 
-    from jaxdec.cache.quantized import dequantize_kv
+    from jaxdec.formats.kvquant import dequantize_kv
 
     q, k, v, lengths, _ = random_inputs(3, 4, 3, 2, 50, 64, jnp.float32, "i4-token", "i8a-group")
     want = attention_f64(q, dequantize_kv(k), dequantize_kv(v), prefix_visible(lengths, 2, 50), 0.125)

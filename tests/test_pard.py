@@ -18,7 +18,8 @@ from jaxdec import api, decode
 from jaxdec.cache import dense
 from jaxdec.models import transformer
 from jaxdec.sampling import Greedy, Sample
-from jaxdec.speculative import core, pard, small_model, store
+from jaxdec.speculative import core, pard, small_model
+from jaxdec.train import store
 from tiny_hf import VOCAB, build
 
 MASK = VOCAB - 2  # the tiny vocabulary has no special tokens; VOCAB - 1 is its EOS

@@ -87,7 +87,7 @@ def assert_error_bound(qa, w):
     """|dequantize(qa) - w| <= stored scale / 2, up to float32 rounding."""
     k, n = qa.k, qa.n
     err = np.abs(np.asarray(dequantize_jit(qa), np.float64).reshape(k, n) - w.reshape(k, n))
-    half = np.repeat(np.abs(np.asarray(qa.scale, np.float64)), qa.group_size, axis=0) / 2
+    half = np.repeat(np.abs(np.asarray(qa.scale, np.float64)), qa.group_size, axis=0)[:k] / 2
     slack = 4 * EPS32 * (np.abs(w.reshape(k, n)) + half)
     assert np.all(err <= half + slack), float(np.max(err - half - slack))
 
@@ -155,10 +155,74 @@ def test_huge_values_do_not_overflow_float16(bits, symmetric):
 
 def test_quantize_rejects_bad_arguments():
     w = weights((64, 8), seed=0)
-    for kwargs in (dict(bits=5), dict(bits=8, group_size=48), dict(bits=4, group_size=1),
-                   dict(bits=8, n_in=2), dict(bits=8, n_in=0)):
+    for kwargs in (dict(bits=5), dict(bits=8, group_size=0), dict(bits=4, group_size=1),
+                   dict(bits=8, n_in=2), dict(bits=8, n_in=0), dict(bits=8, n_batch=1, n_in=1)):
         with pytest.raises(JaxdecError):
             quantize(w, **kwargs)
+
+
+# ---- a last group of fewer rows, stacks of matrices ------------------------------------------
+def ref_quantize_short(w, bits, symmetric, g):
+    """float64 dequantised W[K, N] when g does not divide K: groups of g rows, the last of
+    K % g rows, each quantised on its own range by `ref_quantize`."""
+    parts = [w[i:i + g] for i in range(0, len(w), g)]
+    return np.concatenate([ref_quantize(p, bits, symmetric, len(p))[2] for p in parts])
+
+
+@pytest.mark.parametrize("bits,symmetric", MODES)
+@pytest.mark.parametrize("k,g", [(40, 16), (576, 128), (24, 32)])
+def test_short_last_group_against_float64(bits, symmetric, k, g):
+    """K = 40 in groups of 16: two full groups and one of 8 rows; its error bound is its
+    own scale / 2; the matmul (CPU kernel and reference) ignores the padding rows."""
+    from jaxdec import layers
+
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((k, 12)) * rng.uniform(0.1, 2, (k, 1))).astype(np.float32)
+    qa = quantize_jit(w, bits=bits, group_size=g, symmetric=symmetric)
+    assert qa.n_groups == -(-k // g) and qa.k == k and qa.k_padded == qa.n_groups * g
+    deq = np.asarray(dequantize_jit(qa), np.float64)
+    assert deq.shape == (k, 12)
+    ref = ref_quantize_short(w, bits, symmetric, g)
+    err = np.abs(deq - ref)
+    # f32 vs f64 division can land a code across a rounding boundary: one step, rarely
+    step = np.repeat(np.abs(np.asarray(qa.scale, np.float64)), g, axis=0)[:k]
+    assert np.all(err <= step * (1 + 1e-6)) and (err <= 1e-6 * (np.abs(ref) + step)).mean() > 0.99
+    assert_error_bound(qa, w)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = x.astype(np.float64) @ deq
+    bound = 2 * k * EPS32 * (np.abs(x) @ np.abs(deq)) + 1e-30
+    for got in (matmul_reference(jnp.asarray(x), qa), layers.linear(jnp.asarray(x), qa)):
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stack_of_matrices_is_each_matrix_quantised(bits):
+    """A stack [E, K, N] (MoE experts, n_batch=1) holds each matrix's own quantisation;
+    `select` gathers matrices, and the expert matmuls give float64's x @ W[e]."""
+    from jaxdec.ops import qmatmul
+
+    rng = np.random.default_rng()
+    w = rng.standard_normal((5, 40, 6)).astype(np.float32)
+    qa = quantize(jnp.asarray(w), bits=bits, group_size=16, n_batch=1)
+    assert qa.shape == (5, 40, 6) and qa.batch_shape == (5,) and (qa.k, qa.n) == (40, 6)
+    for e in range(5):
+        one = quantize(jnp.asarray(w[e]), bits=bits, group_size=16)
+        np.testing.assert_array_equal(np.asarray(dequantize(qa))[e], np.asarray(dequantize(one)))
+    idx = jnp.asarray([3, 0, 3])
+    np.testing.assert_array_equal(np.asarray(dequantize(select(qa, idx))),
+                                  np.asarray(dequantize(qa))[np.asarray(idx)])
+    deq = np.asarray(dequantize(qa), np.float64)
+    x = rng.standard_normal((3, 2, 40)).astype(np.float32)
+    got = np.asarray(qmatmul.expert_matmul(jnp.asarray(x), qa, idx), np.float64)
+    want = np.einsum("smk,skn->smn", x.astype(np.float64), deq[np.asarray(idx)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    rows, sizes = rng.standard_normal((7, 40)).astype(np.float32), np.array([2, 0, 4, 0, 1], np.int32)
+    got = np.asarray(qmatmul.ragged_matmul(jnp.asarray(rows), qa, jnp.asarray(sizes)), np.float64)
+    owner = np.repeat(np.arange(5), sizes)
+    want = np.einsum("rk,rkn->rn", rows.astype(np.float64), deq[owner])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(JaxdecError, match="stack"):
+        matmul_reference(jnp.ones((1, 40)), qa)
 
 
 # ---- dequantize, matmul_reference, take_columns ----------------------------------------------

@@ -1,4 +1,4 @@
-"""jaxdec.cache.quantized: the quantised KV tensor, its quantiser, writer and invariants."""
+"""jaxdec.formats.kvquant: the quantised KV tensor, its quantiser, writer and invariants."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdec.cache import quantized as Q
+from jaxdec.formats import kvquant as Q
 
 FORMATS = list(itertools.product((8, 4), Q.GRANULARITIES, (True, False), (jnp.float32, jnp.bfloat16)))
 

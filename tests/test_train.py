@@ -21,8 +21,9 @@ from hypothesis.extra import numpy as hnp
 
 from conftest import assert_one_line_error
 from jaxdec import api, corpora
-from jaxdec.speculative import store
-from jaxdec.train import data, loop, losses, small
+from jaxdec.train import store
+from jaxdec.speculative import small_task as small
+from jaxdec.train import data, loop, losses
 from tiny_hf import VOCAB, build, byte_tokenizer, save_tiny_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """jaxdec measured the way `peers` measures HF and llama.cpp, in its own process.
 
-`peers.main` calls `run_jaxdec(run)` for ``{"peer": "jaxdec", ...}``; the spec adds
+`peers.main` calls `run_jaxdec(run)` (a `peers._Run`) for ``{"peer": "jaxdec", ...}``; the spec adds
 `model` (a registry name or path: the same GGUF the peers read) and `weights` (f32, bf16,
 int8, int4 or gguf). Time to first token is `decode.start` (prefill and the first
 sampled id); the decode phase is `decode.advance` to the last token, so the split is
@@ -26,7 +26,6 @@ def run_jaxdec(run) -> None:
     import jaxdec
     from jaxdec import decode
     from jaxdec.api import generate_ids
-    from jaxdec.bench import peers
     from jaxdec.cache import dense
     from jaxdec.sampling import Greedy
 
@@ -65,7 +64,7 @@ def run_jaxdec(run) -> None:
     def prefill_fn(prompt):
         return generation(1, prompt, 2)[0]
 
-    peers._measure(run, greedy_fn, prefill_fn)
+    run.measure(greedy_fn, prefill_fn)
     prompt, n_new = [int(t) for t in spec["prompt_ids"]], int(spec["new_tokens"])
     one_jit = lambda: (n_new - 1) / generation(1, prompt, n_new)[1]  # noqa: E731
     _streaming(run, model, generate_ids, prompt, n_new, one_jit)
@@ -101,7 +100,7 @@ def _ceiling_pairs(run, model, one_jit, context: int) -> None:
     decode: the ceiling of the report is measured minutes before the decode, and this shared
     machine's bandwidth drifts by 20-30% over minutes. The median pair's fraction; the probe's
     matrix is left out of the peer's peak RSS."""
-    from jaxdec.bench.decode_bench import bandwidth_probe, step_bytes
+    from jaxdec.bench.roofline import bandwidth_probe, step_bytes
 
     probe = bandwidth_probe()
     step = step_bytes(model, 1, context)

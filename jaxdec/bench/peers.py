@@ -198,69 +198,69 @@ class _Run:
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)  # KiB on Linux
         print(_PARTIAL + json.dumps(self.result), file=sys.stderr, flush=True)
 
+    def measure(self, greedy_fn, prefill_fn) -> None:
+        """The measurement plan both peers share.
+
+        greedy_fn(batch, prompt, n_new) -> (t_first_s, t_decode_s, ids of row 0, rows equal to row 0)
+            t_first_s: call to first token; t_decode_s: first token to last token.
+        prefill_fn(prompt) -> seconds from the call to the first token, batch 1.
+        """
+        run = self
+        spec = run.spec
+        prompt = [int(t) for t in spec["prompt_ids"]]
+        long_prompt = [int(t) for t in spec["prefill_ids"]]
+        n_new = int(spec["new_tokens"])
+        repeats = max(1, int(spec.get("repeats", 1)))
+        # Compiling systems warm up at full length: a shorter run would compile another program.
+        full = spec["peer"] in ("hf-compile", "jaxdec")
+        warm_tokens = n_new if full else min(_WARMUP_TOKENS, n_new)
+        if n_new < 2:
+            raise PeerError("new_tokens must be at least 2 to separate decode from prefill")
+        runs = run.result["runs"]
+
+        batch_one: list[int] | None = None
+        for batch in _order_batches(spec["batches"]):
+            if batch > 1 and run.over_budget():
+                run.note(f"batch {batch} skipped: the time budget of {run.budget:.0f} s is spent")
+                continue
+            t = time.monotonic()
+            greedy_fn(batch, prompt, warm_tokens)                      # warm-up (compiles, pages in)
+            if spec["peer"] == "hf-compile":
+                run.note(f"batch {batch}: warm-up incl. compilation {time.monotonic() - t:.1f} s")
+            rates = []
+            for _ in range(repeats):
+                t_first, t_decode, ids, rows_equal = greedy_fn(batch, prompt, n_new)
+                rates.append(batch * (n_new - 1) / t_decode)
+                if batch == 1:
+                    runs["ttft_s"].append(t_first)
+                    if batch_one is None:
+                        batch_one = ids
+                        run.result["greedy_ids"] = ids
+                    elif ids != batch_one:
+                        run.note("batch 1: greedy ids differ between repeats")
+                else:
+                    if rows_equal != batch:
+                        run.note(f"batch {batch}: only {rows_equal}/{batch} rows equal row 0")
+                    if batch_one is not None and ids != batch_one:
+                        same = next((i for i, (a, b) in enumerate(zip(ids, batch_one)) if a != b),
+                                    len(ids))
+                        run.note(f"batch {batch}: row 0 parts from the batch-1 ids at token {same}")
+            runs["decode_tok_s"][str(batch)] = [round(r, 3) for r in rates]
+            run.result["decode_tok_s"][str(batch)] = round(statistics.median(rates), 3)
+            if batch == 1:
+                run.result["ttft_s"] = round(statistics.median(runs["ttft_s"]), 5)
+                # the long prompt: one warm-up, then the timed repeats
+                prefill_fn(long_prompt)
+                rates = [len(long_prompt) / prefill_fn(long_prompt) for _ in range(repeats)]
+                runs["prefill_tok_s"] = [round(r, 3) for r in rates]
+                run.result["prefill_tok_s"] = round(statistics.median(rates), 3)
+            run.snapshot()
+
 
 def _order_batches(batches: list[int]) -> list[int]:
     """Batch 1 first (it yields TTFT and the greedy ids), then ascending, without repeats."""
     rest = sorted({int(b) for b in batches if int(b) > 1})
     return [1] + rest
-
-
-def _measure(run: _Run, greedy_fn, prefill_fn) -> None:
-    """The measurement plan both peers share.
-
-    greedy_fn(batch, prompt, n_new) -> (t_first_s, t_decode_s, ids of row 0, rows equal to row 0)
-        t_first_s: call to first token; t_decode_s: first token to last token.
-    prefill_fn(prompt) -> seconds from the call to the first token, batch 1.
-    """
-    spec = run.spec
-    prompt = [int(t) for t in spec["prompt_ids"]]
-    long_prompt = [int(t) for t in spec["prefill_ids"]]
-    n_new = int(spec["new_tokens"])
-    repeats = max(1, int(spec.get("repeats", 1)))
-    # Compiling systems warm up at full length: a shorter run would compile another program.
-    full = spec["peer"] in ("hf-compile", "jaxdec")
-    warm_tokens = n_new if full else min(_WARMUP_TOKENS, n_new)
-    if n_new < 2:
-        raise PeerError("new_tokens must be at least 2 to separate decode from prefill")
-    runs = run.result["runs"]
-
-    batch_one: list[int] | None = None
-    for batch in _order_batches(spec["batches"]):
-        if batch > 1 and run.over_budget():
-            run.note(f"batch {batch} skipped: the time budget of {run.budget:.0f} s is spent")
-            continue
-        t = time.monotonic()
-        greedy_fn(batch, prompt, warm_tokens)                      # warm-up (compiles, pages in)
-        if spec["peer"] == "hf-compile":
-            run.note(f"batch {batch}: warm-up incl. compilation {time.monotonic() - t:.1f} s")
-        rates = []
-        for _ in range(repeats):
-            t_first, t_decode, ids, rows_equal = greedy_fn(batch, prompt, n_new)
-            rates.append(batch * (n_new - 1) / t_decode)
-            if batch == 1:
-                runs["ttft_s"].append(t_first)
-                if batch_one is None:
-                    batch_one = ids
-                    run.result["greedy_ids"] = ids
-                elif ids != batch_one:
-                    run.note("batch 1: greedy ids differ between repeats")
-            else:
-                if rows_equal != batch:
-                    run.note(f"batch {batch}: only {rows_equal}/{batch} rows equal row 0")
-                if batch_one is not None and ids != batch_one:
-                    same = next((i for i, (a, b) in enumerate(zip(ids, batch_one)) if a != b),
-                                len(ids))
-                    run.note(f"batch {batch}: row 0 parts from the batch-1 ids at token {same}")
-        runs["decode_tok_s"][str(batch)] = [round(r, 3) for r in rates]
-        run.result["decode_tok_s"][str(batch)] = round(statistics.median(rates), 3)
-        if batch == 1:
-            run.result["ttft_s"] = round(statistics.median(runs["ttft_s"]), 5)
-            # the long prompt: one warm-up, then the timed repeats
-            prefill_fn(long_prompt)
-            rates = [len(long_prompt) / prefill_fn(long_prompt) for _ in range(repeats)]
-            runs["prefill_tok_s"] = [round(r, 3) for r in rates]
-            run.result["prefill_tok_s"] = round(statistics.median(rates), 3)
-        run.snapshot()
 
 
 def _version(dist: str) -> str | None:
@@ -381,7 +381,7 @@ def _run_hf(run: _Run) -> None:
         except Exception as e:  # noqa: BLE001 - report why compilation fails on this machine
             raise PeerError(f"torch.compile failed: {_one_line(f'{type(e).__name__}: {e}', 300)}") from e
         run.note(f"first compiled generate (batch 1) took {time.perf_counter() - t:.1f} s")
-    _measure(run, greedy_fn, prefill_fn)
+    run.measure(greedy_fn, prefill_fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,7 +500,7 @@ def _run_llama_cpp(run: _Run) -> None:
         return t_first - t0
 
     try:
-        _measure(run, greedy_fn, prefill_fn)
+        run.measure(greedy_fn, prefill_fn)
     finally:
         for bt in batches.values():
             lc.llama_batch_free(bt)

@@ -16,7 +16,7 @@ Rows:
 - "f32", "bf16": the baseline, and the model in bfloat16 (weights and activations);
 - "df11": DFloat11 of the bf16 weights (lossless: the bf16 row's numbers, bit for bit);
 - "METHOD:BITS" for the PTQ methods (`methods.METHODS`) and the W4A4KV4 rotation rows
-  (`kurtail.TABLE_ROWS`);
+  (`kurtail.TABLE_ROWS`): the weight transform METHOD (`jaxdec.transforms`) at BITS;
 - a k-quant recipe ("Q4_K_M", "Q3_K_M", "DQ3_K_M", "Q8_0", ...): the model's GGUF written by
   `gguf_writer.write_gguf` with `kquants.recipe_types` and read back (dequantised) by
   `jaxdec.load`; DQ3_K_M's sensitivity is each tensor's measured output KL
@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 import jaxdec
-from jaxdec import corpora, perplexity, prompts
+from jaxdec import corpora, perplexity, prompts, transforms
 from jaxdec.errors import JaxdecError
 from jaxdec.files import write_text_atomic
 from jaxdec.checkpoint import registry
@@ -165,20 +165,24 @@ class Evaluator:
                 extra = {"entropy_bits": st.entropy_bits}
         elif spec["method"] in kquants.RECIPES:
             model, bpw, extra = self._kquant(spec["method"])
-        elif spec["method"] in kurtail.TABLE_ROWS:  # W4A4KV4 with or without rotations
-            params = kurtail.table_row(self.model.params, self.model.cfg, spec["method"],
-                                       spec["bits"], self.calib)
-            model, bpw = dataclasses.replace(self.model, params=params), block_bits(params)[0]
-        else:
-            q = methods.QuantSpec(method=spec["method"], bits=spec["bits"],
-                                  group_size=self.s.group_size)
-            calib = self.calib if q.needs_calibration else None
-            params = methods.quantize_model(self.model.params, self.model.cfg, q, calib=calib)
-            model, bpw = dataclasses.replace(self.model, params=params), block_bits(params)[0]
+        else:  # a weight transform: a PTQ method, or W4A4KV4 with or without rotations
+            model = self._transformed(spec)
+            bpw = block_bits(model.params)[0]
         t1 = time.perf_counter()
         out = self.evaluate(model)
         return {**spec, **out, **extra, "bpw": bpw, "quantize_s": t1 - t0,
                 "eval_s": time.perf_counter() - t1, "settings": dataclasses.asdict(self.s)}
+
+    def _transformed(self, spec: dict):
+        """The model under the weight transform of row `spec` (`jaxdec.transforms`): its
+        bits, and the table's group size for the PTQ methods."""
+        name = spec["method"]
+        options = {"bits": spec["bits"]}
+        if name in methods.METHODS:
+            options["group_size"] = self.s.group_size
+        calib = self.calib if transforms.get(name).needs_calib else None
+        params, cfg = transforms.apply(name, self.model.params, self.model.cfg, calib, **options)
+        return dataclasses.replace(self.model, cfg=cfg, params=params)
 
     def _kquant(self, recipe: str):
         """The model's GGUF under `recipe`, written and read back: (model, bits per weight of

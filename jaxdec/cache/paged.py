@@ -1,13 +1,15 @@
-"""The paged KV cache entry: keys and values in fixed-size pages of a shared pool, found
-through a per-row page table (vLLM's PagedAttention layout, and what the Pallas
-`paged_attention` kernel reads).
+"""The paged kind: keys and values in fixed-size pages of a shared pool, found through a
+per-row page table (vLLM's PagedAttention layout, and what the Pallas `paged_attention`
+kernel reads).
 
-Token t of row b lives in pool page `page_table[b, t // page_size]` at offset
-`t % page_size`. The pool holds one extra page at its end, the scratch page, which no
-table names: padding and tokens past the capacity are written there (as the dense cache's
-scratch slot), so every scatter index is in bounds. Which pool pages a row owns is the
-allocator's business (the continuous-batching engine's); `init` gives each row its
-pages up front in a shuffled order, so the indirection is exercised from the first token.
+Logical slot s of row b lives in pool page `page_table[b, s // page_size]` at offset
+`s % page_size`. The page table is data: which pages a row owns is decided on the host by
+a `PageAllocator` (`give`, `free`, `share`) and installed with `with_table`; the engine
+builds its allocator on this interface. The pool holds one extra page at its end, the
+scratch page: padding, tokens past the capacity and table entries a row was not given
+point there, so every scatter index is in bounds. Slots keep their positions per row (as
+every slotted kind, `entry.Slotted`), so rows that share pages each know what they see,
+and pages nobody was given may hold anything (NaN included) without changing an output.
 """
 
 from __future__ import annotations
@@ -19,74 +21,170 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdec.cache import entry
 from jaxdec.errors import JaxdecError
+from jaxdec.formats.kvquant import put_rows, take_rows
 
 PAGE_SIZE = 32
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages", "page_table"],
+@partial(jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages", "page_table", "pos"],
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class PagedKVLayer:
+class PagedKVLayer(entry.Slotted):
     k_pages: jax.Array  # [K, P + 1, page_size, H]: P pool pages, then the scratch page
     v_pages: jax.Array  # [K, P + 1, page_size, H]
     page_table: jax.Array  # i32[B, pages_per_row]: pool page of each row's logical page
+    pos: jax.Array  # i32[B, pages_per_row * page_size + 1]: by logical slot
 
     @property
     def page_size(self) -> int:
         return self.k_pages.shape[2]
 
     @property
-    def capacity(self) -> int:
-        return self.page_table.shape[1] * self.page_size
-
-    @property
     def scratch_page(self) -> int:
         return self.k_pages.shape[1] - 1
 
+    @classmethod
+    def axes(cls):
+        return cls(k_pages=("kv_heads", None, None, "head_dim"), v_pages=("kv_heads", None, None, "head_dim"),
+                   page_table=("batch", None), pos=("batch", None))
 
-def shapes(batch: int, k_heads: int, head_dim: int, max_len: int, dtype, page_size: int):
-    """{field: (shape, dtype)} of a layer whose rows hold up to `max_len` tokens."""
+    def _pages(self, at: jax.Array):
+        """(pool page, offset) of storage slots `at` (i32[B, T]); scratch to the scratch page."""
+        ps, inside = self.page_size, at < self.capacity
+        logical = jnp.where(inside, at, 0) // ps
+        page = jnp.where(inside, jnp.take_along_axis(self.page_table, logical, axis=1), self.scratch_page)
+        return page, jnp.where(inside, at % ps, 0)
+
+    def write(self, k, v, slots, positions):
+        """Keys and values [B, T, K, H] at logical `slots`, remembering `positions`."""
+        at = self.where(slots, positions)
+        page, offset = self._pages(at)
+
+        def put(pool, new):  # pool [K, P+1, ps, H], new [B, T, K, H]
+            return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
+                                                mode="promise_in_bounds")
+
+        pos = put_rows(self.pos, jnp.where(at == self.capacity, -1, positions), at, 0)
+        return dataclasses.replace(self, k_pages=put(self.k_pages, k), v_pages=put(self.v_pages, v), pos=pos)
+
+    def move(self, src, dst):
+        src_at, dst_at = self.where(src, src), self.where(dst, dst)
+        (sp, so), (dp, do) = self._pages(src_at), self._pages(dst_at)
+        move = lambda pool: pool.at[:, dp, do].set(pool[:, sp, so], mode="promise_in_bounds")
+        pos = jnp.where(dst_at == self.capacity, -1, take_rows(self.pos, src_at, 0))
+        return dataclasses.replace(self, k_pages=move(self.k_pages), v_pages=move(self.v_pages),
+                                   pos=put_rows(self.pos, pos, dst_at, 0))
+
+    def view(self, dtype):
+        """The entry as a dense one's (k [B, K, S + 1, H], v [B, K, H, S + 1]): a gather of
+        every row's pages, empty slots zeroed (a page may hold NaN where nobody wrote)."""
+        k_heads, _, ps, h = self.k_pages.shape
+        b, per_row = self.page_table.shape
+        live = (self.pos >= 0)[:, None, :, None]
+
+        def gather(pool):  # -> [B, K, S + 1, H]
+            rows = jnp.moveaxis(pool[:, self.page_table], 0, 1).reshape(b, k_heads, per_row * ps, h)
+            rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 1), (0, 0)))
+            return jnp.where(live, rows, jnp.zeros((), rows.dtype)).astype(dtype)
+
+        return gather(self.k_pages), gather(self.v_pages).swapaxes(2, 3)
+
+    def kernel(self, q, lengths):
+        from pallas_kernels.paged_attention import paged_attention
+        return paged_attention(q, self.k_pages, self.v_pages, self.page_table, lengths,
+                               **entry.pallas_run())
+
+    def with_table(self, table) -> "PagedKVLayer":
+        """The entry reading through `table` (i32[B, pages_per_row]; the scratch page for a
+        logical page a row was not given)."""
+        table = jnp.asarray(table, jnp.int32)
+        if table.shape != self.page_table.shape:
+            raise JaxdecError(f"a page table of shape {tuple(table.shape)} does not fit this "
+                              f"cache's {tuple(self.page_table.shape)}")
+        return dataclasses.replace(self, page_table=table)
+
+
+def empty(batch: int, k_heads: int, head_dim: int, max_len: int, dtype, page_size: int = PAGE_SIZE,
+          pool_pages: int | None = None, fill: float = 0.0, seed: int = 0) -> PagedKVLayer:
+    """An empty paged entry for `batch` rows of up to `max_len` tokens over a pool of
+    `pool_pages` pages (default: enough for every row), filled with `fill`. Every row is
+    given its pages up front by a `FreeList` shuffled by `seed` (so the indirection is
+    exercised from the first token) when the pool holds them all, else none."""
     if page_size <= 0:
         raise JaxdecError(f"page size must be positive, got {page_size}")
     per_row = -(-max_len // page_size)
-    pool = (k_heads, batch * per_row + 1, page_size, head_dim)
-    return {"k_pages": (pool, dtype), "v_pages": (pool, dtype),
-            "page_table": ((batch, per_row), np.int32)}
+    pool_pages = batch * per_row if pool_pages is None else pool_pages
+    if pool_pages <= 0:
+        raise JaxdecError(f"a page pool needs at least one page, got {pool_pages}")
+    allocator = FreeList(batch, per_row, pool_pages, seed=seed)
+    if pool_pages >= batch * per_row:
+        for row in range(batch):
+            allocator.give(row, per_row)
+    pool = np.full((k_heads, pool_pages + 1, page_size, head_dim), fill, dtype)
+    put = lambda x: jax.device_put(x, may_alias=False)
+    return PagedKVLayer(k_pages=put(pool), v_pages=put(pool.copy()), page_table=put(allocator.table),
+                        pos=put(np.full((batch, per_row * page_size + 1), -1, np.int32)))
 
 
-def page_table(batch: int, per_row: int, seed: int = 0) -> np.ndarray:
-    """i32[batch, per_row]: every row's pages, a shuffled partition of the pool."""
-    pages = np.random.default_rng(seed).permutation(batch * per_row).astype(np.int32)
-    return pages.reshape(batch, per_row)
+class PageAllocator:
+    """The host-side interface that decides which pool pages each row reads: `table` is
+    the page table to install (`with_table`), the scratch page where a row has no page."""
+
+    table: np.ndarray  # i32[B, pages_per_row]
+
+    def give(self, row: int, n: int) -> list[int]:
+        """Give `row` n more pages (appended to its logical pages) -> their ids."""
+        raise NotImplementedError
+
+    def free(self, row: int) -> None:
+        """Take back every page of `row` (shared pages once no row holds them)."""
+        raise NotImplementedError
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """Make `dst`'s first n logical pages `src`'s first n (a shared prefix)."""
+        raise NotImplementedError
 
 
-def write(layer: PagedKVLayer, k: jax.Array, v: jax.Array, positions: jax.Array) -> PagedKVLayer:
-    """Scatter new keys/values [B, T, K, H] at `positions` (i32[B, T]); padding (< 0) and
-    overflow (>= capacity) go to the scratch page."""
-    ps = layer.page_size
-    inside = (positions >= 0) & (positions < layer.capacity)
-    logical = jnp.where(inside, positions, 0) // ps
-    page = jnp.where(inside, jnp.take_along_axis(layer.page_table, logical, axis=1),
-                     layer.scratch_page)
-    offset = jnp.where(inside, positions % ps, 0)
+class FreeList(PageAllocator):
+    """A `PageAllocator` over a free list, with a reference count per page."""
 
-    def put(pool, new):  # pool [K, P+1, ps, H], new [B, T, K, H]
-        return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
-                                            mode="promise_in_bounds")
+    def __init__(self, batch: int, pages_per_row: int, pool_pages: int, seed: int | None = None):
+        self.scratch = pool_pages
+        self.table = np.full((batch, pages_per_row), pool_pages, np.int32)
+        self.owned = [0] * batch  # logical pages each row holds
+        self.refs = np.zeros(pool_pages, np.int32)
+        order = np.arange(pool_pages, dtype=np.int32)
+        if seed is not None:
+            order = np.random.default_rng(seed).permutation(order).astype(np.int32)
+        self.free_pages = list(order[::-1])  # pop() hands them out in `order`
 
-    return dataclasses.replace(layer, k_pages=put(layer.k_pages, k), v_pages=put(layer.v_pages, v))
+    def give(self, row: int, n: int) -> list[int]:
+        have = self.owned[row]
+        if have + n > self.table.shape[1]:
+            raise JaxdecError(f"row {row} holds {have} of its {self.table.shape[1]} pages: "
+                              f"{n} more do not fit its page table")
+        if n > len(self.free_pages):
+            raise JaxdecError(f"the page pool has {len(self.free_pages)} free pages, {n} were asked for")
+        pages = [self.free_pages.pop() for _ in range(n)]
+        self.table[row, have:have + n] = pages
+        self.refs[pages] += 1
+        self.owned[row] = have + n
+        return pages
 
+    def free(self, row: int) -> None:
+        for page in self.table[row, :self.owned[row]]:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free_pages.append(page)
+        self.table[row] = self.scratch
+        self.owned[row] = 0
 
-def dense_view(layer: PagedKVLayer):
-    """The layer as a dense entry's (k [B, K, S + 1, H], v [B, K, H, S + 1]), S the
-    capacity, the last slot a scratch slot: a gather of every row's pages, for the XLA
-    attention of prompts (decode steps read the pages in place)."""
-    k_heads, _, ps, h = layer.k_pages.shape
-    b, per_row = layer.page_table.shape
-
-    def gather(pool):  # -> [B, K, S + 1, H]
-        rows = jnp.moveaxis(pool[:, layer.page_table], 0, 1).reshape(b, k_heads, per_row * ps, h)
-        return jnp.pad(rows, ((0, 0), (0, 0), (0, 1), (0, 0)))
-
-    return gather(layer.k_pages), gather(layer.v_pages).swapaxes(2, 3)
+    def share(self, src: int, dst: int, n: int) -> None:
+        if n > self.owned[src]:
+            raise JaxdecError(f"row {src} holds {self.owned[src]} pages, not {n} to share")
+        self.free(dst)
+        self.table[dst, :n] = self.table[src, :n]
+        self.refs[self.table[src, :n]] += 1
+        self.owned[dst] = n

@@ -8,12 +8,15 @@ tensor at a time, so peak memory is the float32 result plus one tensor.
 GGUF stores dims innermost-first (`[in, out]`); the numpy shape is the reverse, which is
 already HF's `[out, in]`. llama.cpp's converter permutes the rows of `attn_q`/`attn_k`
 for the 'llama' architecture (each head's two rotary halves interleaved, for its
-GPT-J-style RoPE); `_unpermute_rows` undoes it. 'qwen2' uses NEOX RoPE and is stored as is.
+GPT-J-style RoPE); `_unpermute_rows` undoes it. 'qwen2' and 'gemma3' use NEOX RoPE and are
+stored as is. llama.cpp stores Gemma's norm weights as the scale 1 + w itself; they are read
+back as HF's w.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import pathlib
 import re
@@ -30,7 +33,7 @@ from jaxdec.config import ModelConfig, RopeScaling
 from jaxdec.errors import JaxdecError
 from jaxdec.formats.gguf_blocks import gguf_block_bits, qarray_from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 _Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
                              _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
@@ -56,9 +59,18 @@ _GGUF_TO_HF = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+# Per architecture, where it differs: Gemma's norm before the MLP (its post_attention_layernorm
+# norms the attention's output).
+_ARCH_GGUF_TO_HF = {
+    "gemma3": {"blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight"},
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -237,6 +249,20 @@ def _llama3_from_rope_freqs(factors: np.ndarray, head_dim: int, theta: float) ->
     return scaling
 
 
+def _gemma3(meta: dict[str, Any], d: int, n: int, n_layers: int) -> dict[str, Any]:
+    """Gemma 3's fields beyond the Llama family's, with llama.cpp's fixed choices: every sixth
+    layer global, the others windowed with RoPE base 10000 unless `rope.freq_base_swa` says;
+    scores scaled by (D/N)^-1/2 on the 27B (62 layers), by H^-1/2 on the others."""
+    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        if key in meta:
+            raise JaxdecError(f"GGUF metadata {key!r}: logit soft-capping is unsupported")
+    window = int(_key(meta, "gemma3.attention.sliding_window"))
+    return dict(mlp_act="gelu_tanh", embed_scale=math.sqrt(d), post_norms=True,
+                query_scale=(d / n) ** -0.5 if n_layers == 62 else None,
+                layer_windows=tuple(None if (i + 1) % 6 == 0 else window for i in range(n_layers)),
+                rope_local_theta=float(_key(meta, "gemma3.rope.freq_base_swa", 10000.0)))
+
+
 def _config(meta: dict[str, Any], header: GgufHeader, tok: Tokenizer,
             rope_freqs: np.ndarray | None) -> ModelConfig:
     arch = meta["general.architecture"]
@@ -245,10 +271,11 @@ def _config(meta: dict[str, Any], header: GgufHeader, tok: Tokenizer,
                         _key(meta, f"{arch}.rope.dimension_count", d // n)))
     theta = float(_key(meta, f"{arch}.rope.freq_base", 10000.0))
     embed = header.tensors.get("token_embd.weight")
+    n_layers = int(_key(meta, f"{arch}.block_count"))
     return ModelConfig(
         arch=arch,
         vocab_size=embed.shape[0] if embed is not None else tok.vocab_size,
-        d_model=d, n_layers=int(_key(meta, f"{arch}.block_count")), n_heads=n,
+        d_model=d, n_layers=n_layers, n_heads=n,
         n_kv_heads=int(_key(meta, f"{arch}.attention.head_count_kv", n)), head_dim=head_dim,
         d_ff=int(_key(meta, f"{arch}.feed_forward_length")),
         norm_eps=float(_key(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
@@ -256,15 +283,17 @@ def _config(meta: dict[str, Any], header: GgufHeader, tok: Tokenizer,
         rope_scaling=_rope_scaling(meta, arch, rope_freqs, head_dim, theta),
         tie_embeddings="output.weight" not in header.tensors,
         qkv_bias="blk.0.attn_q.bias" in header.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
         max_position=int(_key(meta, f"{arch}.context_length", 4096)),
-        eos_ids=tok.stop_ids, bos_id=tok.bos_id)
+        eos_ids=tok.stop_ids, bos_id=tok.bos_id,
+        **(_gemma3(meta, d, n, n_layers) if arch == "gemma3" else {}))
 
 
 # ---- tensors -------------------------------------------------------------------------------
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     m = _BLOCK.match(gguf_name)
     pattern = _BLOCK.sub("blk.{i}.", gguf_name) if m else gguf_name
-    hf = _GGUF_TO_HF.get(pattern)
+    hf = _ARCH_GGUF_TO_HF.get(arch, {}).get(pattern, _GGUF_TO_HF.get(pattern))
     return hf.format(i=m.group(1)) if hf and m else hf
 
 
@@ -290,7 +319,7 @@ def _check_tensors(header: GgufHeader, cfg: ModelConfig) -> dict[str, str]:
     for name in header.tensors:
         if name == "rope_freqs.weight":
             continue
-        hf = _hf_name(name)
+        hf = _hf_name(name, cfg.arch)
         if hf is None:
             raise JaxdecError(f"{header.path}: unsupported tensor {name!r} for architecture {cfg.arch!r}")
         names[name] = hf
@@ -309,7 +338,8 @@ def _check_tensors(header: GgufHeader, cfg: ModelConfig) -> dict[str, str]:
 
 
 def read_gguf(path: str | pathlib.Path, *, progress=None, keep_blocks: bool = False) -> Checkpoint:
-    """A GGUF file (architectures 'llama', 'qwen2') as a `Checkpoint` of float32 HF tensors.
+    """A GGUF file (architectures 'llama', 'qwen2', 'gemma3') as a `Checkpoint` of float32 HF
+    tensors.
 
     `progress(done, total)`, if given, is called after each tensor is dequantized. With
     `keep_blocks`, linear weights stored as Q8_0 / Q4_0 / Q4_1 also come back as exact
@@ -359,6 +389,8 @@ def read_gguf(path: str | pathlib.Path, *, progress=None, keep_blocks: bool = Fa
 
 def _load_tensor(buf, info: GgufTensorInfo, hf: str, cfg: ModelConfig) -> np.ndarray:
     w = _dequantize(buf, info)
+    if cfg.arch == "gemma3" and hf.endswith("norm.weight"):  # stored as 1 + w (module docstring)
+        w = w - np.float32(1)
     heads = _permuted_heads(hf, cfg)
     return w if heads is None else _unpermute_rows(w, heads)
 

@@ -39,6 +39,7 @@ class Source:
     """The HF tensors one parameter comes from.
 
     kind: "linear" (one [out, in] weight, transposed to [in, out]), "vector" (as stored),
+    "plus_one" (a norm weight w that scales by 1 + w, Gemma's, read as 1 + w),
     "conv" (torch's depthwise [C, 1, K] -> [K, C]), "experts" (one [out, in] weight per
     expert, stacked and transposed to [E, in, out]).
     """
@@ -57,6 +58,11 @@ def _vector(name, *shape):
     return Source((name,), (tuple(shape),), "vector")
 
 
+def _norm(cfg: ModelConfig, name: str, n: int) -> Source:
+    """An RMSNorm weight [n]: HF's Gemma stores w and scales by 1 + w."""
+    return Source((name,), ((n,),), "plus_one" if cfg.arch == "gemma3" else "vector")
+
+
 def _attention(cfg: ModelConfig, pre: str) -> dict[str, Source]:
     d, h, q, kv = cfg.d_model, cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     out = {"wq": _linear(pre + "q_proj.weight", q, d), "wk": _linear(pre + "k_proj.weight", kv, d),
@@ -65,7 +71,7 @@ def _attention(cfg: ModelConfig, pre: str) -> dict[str, Source]:
         out |= {"bq": _vector(pre + "q_proj.bias", q), "bk": _vector(pre + "k_proj.bias", kv),
                 "bv": _vector(pre + "v_proj.bias", kv)}
     if cfg.qk_norm:
-        out |= {"q_norm": _vector(pre + "q_norm.weight", h), "k_norm": _vector(pre + "k_norm.weight", h)}
+        out |= {"q_norm": _norm(cfg, pre + "q_norm.weight", h), "k_norm": _norm(cfg, pre + "k_norm.weight", h)}
     return out
 
 
@@ -103,7 +109,7 @@ def _mlp(cfg: ModelConfig, pre: str, f: int, names=("gate_proj", "up_proj", "dow
     d = cfg.d_model
     out = {fields[1]: _linear(f"{pre}{names[1]}.weight", f, d),
            fields[2]: _linear(f"{pre}{names[2]}.weight", d, f)}
-    if cfg.mlp_act == "silu":
+    if cfg.mlp_act != "relu2":
         out[fields[0]] = _linear(f"{pre}{names[0]}.weight", f, d)
     return out
 
@@ -135,7 +141,7 @@ def layout(cfg: ModelConfig) -> dict[str, Source]:
     """Parameter path ("layers.3.mixer.wq", as `_path` spells it) -> its HF source."""
     embed, layer, final = _FRAME.get(cfg.arch, _LLAMA_FRAME)
     d, v = cfg.d_model, cfg.vocab_size
-    out = {"final_norm": _vector(final, d)}
+    out = {"final_norm": _norm(cfg, final, d)}
     if cfg.tie_embeddings:
         out["lm_head"] = _linear(embed, v, d)
     else:
@@ -145,13 +151,18 @@ def layout(cfg: ModelConfig) -> dict[str, Source]:
         pre = layer.format(i=i)
         here = {}
         if mixer:
-            here["mixer_norm"] = _vector(pre + ("norm.weight" if backbone else "input_layernorm.weight"), d)
+            here["mixer_norm"] = _norm(cfg, pre + ("norm.weight" if backbone else "input_layernorm.weight"), d)
+            if cfg.post_norms:
+                here["mixer_post_norm"] = _norm(cfg, pre + "post_attention_layernorm.weight", d)
             sub = pre + ("mixer." if backbone else "self_attn.")
             here |= {"mixer." + k: s for k, s in {"attention": _attention, "mla": _mla,
                                                  "mamba": _mamba}[mixer](cfg, sub).items()}
         if ffn:
-            here["ffn_norm"] = _vector(pre + ("norm.weight" if backbone else
-                                              "post_attention_layernorm.weight"), d)
+            here["ffn_norm"] = _norm(cfg, pre + ("norm.weight" if backbone else
+                                                 "pre_feedforward_layernorm.weight" if cfg.post_norms
+                                                 else "post_attention_layernorm.weight"), d)
+            if cfg.post_norms:
+                here["ffn_post_norm"] = _norm(cfg, pre + "post_feedforward_layernorm.weight", d)
             sub = pre + ("mixer." if backbone else "mlp.")
             parts = _moe(cfg, sub) if ffn == "moe" else _mlp(
                 cfg, sub, cfg.d_ff, names=("gate_proj", "up_proj", "down_proj"))
@@ -215,6 +226,7 @@ def params_from_hf(cfg: ModelConfig, tensors, dtype=jnp.float32,
             # views, not copies: a sharded load copies only each device's slice
             "linear": lambda ts: ts[0].T,
             "vector": lambda ts: ts[0],
+            "plus_one": lambda ts: 1.0 + ts[0],
             "conv": lambda ts: ts[0][:, 0, :].T,
             "experts": lambda ts: np.stack([t.T for t in ts]),
         }[src.kind]

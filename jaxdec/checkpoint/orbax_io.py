@@ -95,12 +95,40 @@ def read_meta(path: pathlib.Path) -> dict:
 
 
 def restore(path, abstract_params):
-    """Restore the parameter pytree into the structure/dtypes of `abstract_params`."""
+    """Restore the parameter pytree into the structure/dtypes of `abstract_params`; a
+    stored tensor whose shape is not the one asked for (a config whose widths disagree with
+    the tensors) is a one-line error naming it."""
     import orbax.checkpoint as ocp
 
+    _check_stored_shapes(path, abstract_params)
     try:
         return ocp.StandardCheckpointer().restore(pathlib.Path(path).absolute() / "params",
                                                   abstract_params)
     except Exception as e:  # orbax raises many types for damaged checkpoints
         raise JaxdecError(f"{path}: cannot restore parameters ({e.__class__.__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
+def _key_name(keypath) -> str:
+    """"layers.1.mixer.wq": a tree path as orbax names the array it stores."""
+    part = lambda k: str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k))))
+    return ".".join(part(k) for k in keypath)
+
+
+def _check_stored_shapes(path, abstract_params) -> None:
+    """Compare the shapes orbax recorded for the stored arrays with `abstract_params`'s
+    (arrays it did not record are left to the restore to report)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        meta = ocp.StandardCheckpointer().metadata(pathlib.Path(path).absolute() / "params")
+        meta = getattr(meta, "item_metadata", meta)
+        stored = {m.name: tuple(m.shape) for m in jax.tree.leaves(getattr(meta, "tree", meta))
+                  if isinstance(getattr(m, "name", None), str) and getattr(m, "shape", None) is not None}
+    except Exception:  # no readable metadata: the restore itself reports the damage
+        return
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        name = _key_name(keypath)
+        if name in stored and stored[name] != tuple(leaf.shape):
+            raise JaxdecError(f"{path}: tensor {name} is stored with shape {stored[name]}, "
+                              f"its config declares {tuple(leaf.shape)}")

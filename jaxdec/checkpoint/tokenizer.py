@@ -7,6 +7,10 @@ from those, splitting text with exactly the regexes llama.cpp uses for that `pre
 (applied one after another, each match and each gap kept as its own piece, as
 llama.cpp's `unicode_regex_split` does), then byte-level BPE.
 
+Gemma's SentencePiece vocabulary (`tokenizer.ggml.model` "llama") is rebuilt as HF's GGUF
+converter builds it: spaces become "▁", then BPE with byte fallback over merges derived from
+the vocabulary (the file lists none), ranked by the merged token's index.
+
 `Tokenizer.save` / `Tokenizer.load` write and read `tokenizer.json` +
 `tokenizer_config.json`, the same files `from_hf_dir` reads, so a converted checkpoint
 carries its tokenizer and chat template.
@@ -22,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from jaxdec.errors import JaxdecError
 
@@ -58,7 +62,7 @@ _TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_
 
 
 @functools.cache
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves,
     the other 68 bytes to U+0100.. in byte order, so every byte string is a printable string."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
@@ -75,18 +79,20 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _respell(token: str) -> str:
     """A token stored as raw text, written in the byte-level alphabet (as the vocab needs)."""
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     return "".join(table[b] for b in token.encode("utf-8"))
 
 
 def _gguf_tokenizer_metadata(source: Any) -> Mapping[str, Any]:
-    """`tokenizer.*` metadata from a `gguf.GGUFReader` or an already-parsed key -> value map."""
+    """`tokenizer.*` metadata and the architecture from a `gguf.GGUFReader` or an
+    already-parsed key -> value map."""
     if isinstance(source, Mapping):
         return source
     fields = getattr(source, "fields", None)
     if fields is None:
         raise TypeError(f"expected a gguf.GGUFReader or a metadata mapping, got {type(source)}")
-    return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+    return {k: f.contents() for k, f in fields.items()
+            if k.startswith("tokenizer.") or k == "general.architecture"}
 
 
 def _byte_level_bpe(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str],
@@ -97,7 +103,7 @@ def _byte_level_bpe(tokens: Sequence[str], types: Sequence[int], merges: Sequenc
     both matched whole before pre-tokenization and kept under their raw spelling. Any other
     token not written in the byte alphabet is respelled into it (its UTF-8 bytes).
     """
-    alphabet = set(_bytes_to_unicode().values())
+    alphabet = set(bytes_to_unicode().values())
     whole = {i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)}
     vocab = {(tok if i in whole or set(tok) <= alphabet else _respell(tok)): i
              for i, tok in enumerate(tokens)}
@@ -120,6 +126,31 @@ def _byte_level_bpe(tokens: Sequence[str], types: Sequence[int], merges: Sequenc
     if wrong:
         raise JaxdecError(f"GGUF tokenizer: added token {tokens[wrong[0]]!r} (id {wrong[0]}) "
                           "is duplicated in the vocabulary")
+    return tok
+
+
+def _gemma_sentencepiece(tokens: Sequence[str], types: Sequence[int]) -> tokenizers.Tokenizer:
+    """Gemma's SentencePiece BPE, as HF's GGUF converter builds it (ids = vocabulary indices).
+
+    Tokens of two or more spaces are stored as spaces but looked up as "▁"s. The merges are
+    every split of a token into two vocabulary tokens, by the token's index (a lower index
+    merges first), then the longer left part first. Control tokens are special added tokens,
+    user-defined ones (newline runs) plain added tokens: both are matched whole.
+    """
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges = [(t[:j], t[j:]) for t in vocab for j in range(len(t) - 1, 0, -1)
+              if t[:j] in vocab and t[j:] in vocab]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
+                                          fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == _CONTROL])
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == _USER_DEFINED and t in vocab])
     return tok
 
 
@@ -176,31 +207,40 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, source: Any) -> "Tokenizer":
-        """From a `gguf.GGUFReader` (or a mapping of its parsed metadata values).
+        """From a `gguf.GGUFReader` (or a mapping of its parsed metadata values). A Gemma 3
+        file without a chat template gets Gemma's (`chat_template.GEMMA3`).
 
         Raises JaxdecError for a tokenizer model or `pre` name this module cannot rebuild.
         """
         meta = _gguf_tokenizer_metadata(source)
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        gemma = model == "llama" and meta.get("general.architecture") == "gemma3"
+        if model != "gpt2" and not gemma:
             raise JaxdecError(f"unsupported GGUF tokenizer model {model!r} "
-                              "(supported: 'gpt2', byte-level BPE)")
+                              "(supported: 'gpt2', byte-level BPE; 'llama' for Gemma 3)")
         pre = meta.get("tokenizer.ggml.pre") or "default"
-        if pre not in _PRE_SPLITS:
+        if not gemma and pre not in _PRE_SPLITS:
             raise JaxdecError(f"unsupported GGUF pre-tokenizer {pre!r} "
                               f"(supported: {', '.join(sorted(_PRE_SPLITS))})")
         tokens = list(meta.get("tokenizer.ggml.tokens") or ())
         if not tokens:
             raise JaxdecError("GGUF file has no tokenizer.ggml.tokens")
         types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [1] * len(tokens))]
-        backend = _byte_level_bpe(tokens, types, list(meta.get("tokenizer.ggml.merges") or ()),
-                                  _PRE_SPLITS[pre], ignore_merges=pre in _IGNORE_MERGES)
+        template = meta.get("tokenizer.chat_template")
+        if gemma:
+            backend = _gemma_sentencepiece(tokens, types)
+            if template is None:  # Gemma files carry none: Gemma's own
+                from jaxdec.checkpoint import chat_template
+                template = chat_template.GEMMA3
+        else:
+            backend = _byte_level_bpe(tokens, types, list(meta.get("tokenizer.ggml.merges") or ()),
+                                      _PRE_SPLITS[pre], ignore_merges=pre in _IGNORE_MERGES)
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
         ids = {k: (int(v) if v is not None and 0 <= int(v) < len(tokens) else None)
                for k, v in ids.items()}
         return cls(backend=backend, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["padding"],
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"))
+                   chat_template=template)
 
     @classmethod
     def from_hf_dir(cls, path: str | pathlib.Path) -> "Tokenizer":

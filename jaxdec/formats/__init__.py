@@ -7,12 +7,13 @@ from jaxdec.formats.qarray import (
     matmul_reference,
     pack_int4,
     quantize,
+    select,
     take_columns,
     unpack_int4,
     validate,
 )
 
 __all__ = [
-    "QArray", "dequantize", "matmul_reference", "pack_int4", "quantize", "take_columns",
+    "QArray", "dequantize", "matmul_reference", "pack_int4", "quantize", "select", "take_columns",
     "unpack_int4", "validate",
 ]

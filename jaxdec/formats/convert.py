@@ -1,13 +1,15 @@
 """Weight transforms onto `QArray`: `params -> params`, driven by the declaration.
 
-Every parameter declared with `n_in` (a matmul weight) is quantised; norms, biases and
-embedding tables stay as they are. Weights that are already `QArray`s (a GGUF file's own
+Every parameter declared with `n_in` (a matmul weight, or a stack of them such as a MoE
+layer's experts, `n_batch`) is quantised; norms, biases, routers and embedding tables stay
+as they are. Weights that are already `QArray`s (a GGUF file's own
 Q4/Q8 blocks, kept by the loader) are kept when they have the requested width.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,11 @@ from jaxdec.formats.qarray import QArray, dequantize, quantize
 # name -> (bits, keep any GGUF block width)
 FORMATS = {"int8": (8, False), "int4": (4, False), "gguf": (8, True)}
 
+# One compiled program per weight shape: run eagerly, `quantize` dispatched (and compiled)
+# each of its dozens of small ops separately, several seconds per model even when tiny.
+_quantize = jax.jit(partial(quantize, symmetric=None),
+                    static_argnames=("bits", "group_size", "n_in", "n_batch"))
+
 
 def quantize_params(params, decl, weights: str, *, group_size: int = 32):
     """Quantise every matmul weight of `params` (declared by `decl`) to `weights`:
@@ -30,7 +37,8 @@ def quantize_params(params, decl, weights: str, *, group_size: int = 32):
       kept as it is; one of another width is requantised from its dequantised values.
     - "gguf": keep every `QArray` leaf (the file's own blocks, whatever their width) and
       quantise the rest to int8.
-    A weight whose contracted size is not a multiple of `group_size` stays unquantised.
+    A weight whose contracted size K is not a multiple of `group_size` is quantised too,
+    its last group holding the K % group_size inputs left (`QArray`).
     """
     if weights not in FORMATS:
         raise JaxdecError(f"unknown weight format {weights!r} (one of {', '.join(FORMATS)})")
@@ -45,10 +53,8 @@ def quantize_params(params, decl, weights: str, *, group_size: int = 32):
             if keep_any or w.bits == bits:
                 return jax.tree.map(jnp.asarray, w)
             w = dequantize(w)
-        if math.prod(w.shape[:spec.n_in]) % group_size:
-            return w
-        return quantize(jnp.asarray(w, jnp.float32), bits=bits, group_size=group_size,
-                        n_in=spec.n_in)
+        return _quantize(jnp.asarray(w, jnp.float32), bits=bits, group_size=group_size,
+                         n_in=spec.n_in, n_batch=spec.n_batch)
 
     return jax.tree.map(one, decl, params, is_leaf=lambda x: x is None or is_spec(x))
 
@@ -80,7 +86,7 @@ def describe(params) -> dict[str, dict]:
 
 def _qarray_entry(w: QArray) -> dict:
     return {"bits": w.bits, "group_size": w.group_size, "shape": list(w.shape), "n_in": w.n_in,
-            "offset": w.offset is not None}
+            "offset": w.offset is not None, "n_batch": w.n_batch}
 
 
 def abstract_like(decl, dtype, layout: dict[str, dict]):
@@ -95,14 +101,16 @@ def abstract_like(decl, dtype, layout: dict[str, dict]):
             return jax.ShapeDtypeStruct(spec.shape, dtype)
         if entry.get("format") == "dfloat11":
             return dfloat11.abstract(entry, spec.shape)
-        k, g = math.prod(spec.shape[:entry["n_in"]]), entry["group_size"]
-        n = math.prod(spec.shape[entry["n_in"]:])
-        rows = k // 2 if entry["bits"] == 4 else k
-        groups = jax.ShapeDtypeStruct((k // g, n), jnp.float16)
-        qa = QArray(q=jax.ShapeDtypeStruct((rows, n), jnp.int8 if entry["bits"] == 8 else jnp.uint8),
+        nb, g = entry.get("n_batch", 0), entry["group_size"]
+        batch, k = spec.shape[:nb], math.prod(spec.shape[nb:nb + entry["n_in"]])
+        n, kp = math.prod(spec.shape[nb + entry["n_in"]:]), -(-k // g) * g
+        rows = kp // 2 if entry["bits"] == 4 else kp
+        groups = jax.ShapeDtypeStruct((*batch, kp // g, n), jnp.float16)
+        code = jnp.int8 if entry["bits"] == 8 else jnp.uint8
+        qa = QArray(q=jax.ShapeDtypeStruct((*batch, rows, n), code),
                     scale=groups, offset=groups if entry["offset"] else None,
                     bits=entry["bits"], group_size=g, shape=tuple(entry["shape"]),
-                    n_in=entry["n_in"])
+                    n_in=entry["n_in"], n_batch=nb)
         act = entry.get("act")
         if act is None:
             return qa
@@ -114,3 +122,10 @@ def abstract_like(decl, dtype, layout: dict[str, dict]):
                         out_rotate=act.get("out_rotate"))
 
     return jax.tree_util.tree_map_with_path(one, decl, is_leaf=lambda x: x is None or is_spec(x))
+
+
+def param_count(tree: Any) -> int:
+    """Logical parameter count (a quantised or DFloat11 matrix counts its K * N weights)."""
+    is_q = lambda x: isinstance(x, (QArray, dfloat11.DF11Array))
+    return sum(math.prod(x.shape) if is_q(x) else int(x.size)
+               for x in jax.tree.leaves(tree, is_leaf=is_q))

@@ -8,8 +8,12 @@ consecutive rows of one column:
     W[k, n] = f32(q[k, n]) * f32(scale[k // g, n]) + f32(offset[k // g, n])
 
 (the offset term is dropped when `offset` is None). `matmul_reference` is the numerical
-truth every kernel is checked against. Letters: K contracted dim, N output dim, G = K // g
-groups.
+truth every kernel is checked against. Letters: K contracted dim, N output dim, G =
+ceil(K / g) groups. When g does not divide K the last group has fewer rows: the codes are
+stored padded to G * g rows, and every matmul multiplies the padding by zero inputs.
+
+A stack of such matrices (the experts of a MoE layer, [E, D, F]) is one `QArray` with
+`n_batch` leading batch dims: every array then has those dims in front, one matrix each.
 """
 
 from __future__ import annotations
@@ -42,44 +46,54 @@ _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "offset"],
-         meta_fields=["bits", "group_size", "shape", "n_in"])
+         meta_fields=["bits", "group_size", "shape", "n_in", "n_batch"])
 @dataclasses.dataclass(frozen=True)
 class QArray:
-    """A quantised weight W of logical shape `shape`, stored as [K, N] = [prod(shape[:n_in]),
-    prod(shape[n_in:])].
+    """A quantised weight W of logical shape `shape` = (*batch, *in, *out), `n_batch` batch
+    dims (0: one matrix) then `n_in` contracted dims, stored as [*batch, K, N] with
+    K = prod(in) and N = prod(out).
 
     Invariants (checked by `validate`, never in the constructor, so that jax can rebuild
     the pytree with placeholder leaves):
-    - `bits` is 2, 3, 4 or 8; `shape` is a tuple of positive ints; 1 <= n_in < len(shape).
-    - `group_size` g is a positive int dividing K; for bits=4 it is even.
-    - bits=8: `q` is int8[K, N] (values -128..127; the quantisers write -127..127 when
-      symmetric). bits=4: `q` is uint8[K // 2, N], two unsigned 4-bit codes per byte packed
+    - `bits` is 2, 3, 4 or 8; `shape` is a tuple of positive ints; n_batch >= 0 and
+      1 <= n_in < len(shape) - n_batch.
+    - `group_size` g is a positive int; for bits=4 it is even. G = ceil(K / g) groups, the
+      codes hold Kp = G * g rows: rows K..Kp-1 are padding (the last group's missing rows),
+      multiplied by zero inputs in every matmul and dropped by `dequantize`.
+    - (shapes below without the batch dims, which every array has in front)
+    - bits=8: `q` is int8[Kp, N] (values -128..127; the quantisers write -127..127 when
+      symmetric). bits=4: `q` is uint8[Kp // 2, N], two unsigned 4-bit codes per byte packed
       along K: byte (i, n) holds row 2i in its low nibble and row 2i+1 in its high nibble.
-      bits=2, 3: `q` is uint8[K, N], one code (0..2^bits - 1) per byte, unpacked: these
+      bits=2, 3: `q` is uint8[Kp, N], one code (0..2^bits - 1) per byte, unpacked: these
       widths serve quality studies (GPTQ/AWQ/HQQ at 2-3 bits) and the portable
       dequantise-then-dot path; `bits_per_weight` reports the packed format's size.
-    - `scale` is float16[K // g, N]; `offset` is None or float16[K // g, N]. The offset is
+    - `scale` is float16[G, N]; `offset` is None or float16[G, N]. The offset is
       the zero point pre-multiplied by the scale (offset = -zero_point * scale, GGUF Q4_1's
       `m`), so dequantisation is one multiply-add in float32 (see the module docstring).
     - Scales may be negative or zero (GGUF Q4_0 blocks have signed scales).
     Leaves may be numpy or jax arrays (or `jax.ShapeDtypeStruct`s under `eval_shape`).
     """
 
-    q: Any               # bits=8: i8[K, N]; bits=4: u8[K // 2, N]; bits=2, 3: u8[K, N]
-    scale: Any           # f16[G, N]
-    offset: Any | None   # f16[G, N] or None
+    q: Any               # bits=8: i8[*batch, Kp, N]; bits=4: u8[*batch, Kp // 2, N]; 2, 3: u8[*batch, Kp, N]
+    scale: Any           # f16[*batch, G, N]
+    offset: Any | None   # f16[*batch, G, N] or None
     bits: int
     group_size: int
     shape: tuple[int, ...]
     n_in: int = 1
+    n_batch: int = 0
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[:self.n_batch])
 
     @property
     def in_shape(self) -> tuple[int, ...]:
-        return tuple(self.shape[:self.n_in])
+        return tuple(self.shape[self.n_batch:self.n_batch + self.n_in])
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.shape[self.n_in:])
+        return tuple(self.shape[self.n_batch + self.n_in:])
 
     @property
     def k(self) -> int:
@@ -91,7 +105,12 @@ class QArray:
 
     @property
     def n_groups(self) -> int:
-        return self.k // self.group_size
+        return -(-self.k // self.group_size)
+
+    @property
+    def k_padded(self) -> int:
+        """Kp: the rows the codes hold, K rounded up to whole groups."""
+        return self.n_groups * self.group_size
 
     @property
     def has_offset(self) -> bool:
@@ -103,7 +122,7 @@ class QArray:
         """Bits per logical weight of the packed format: codes plus f16 scales (and
         offsets), whatever the in-memory layout (2/3-bit codes are held one per byte)."""
         per_group = 16 * (2 if self.offset is not None else 1)
-        return self.bits + per_group / self.group_size
+        return (self.bits * self.k_padded + per_group * self.n_groups) / self.k
 
     @property
     def nbytes(self) -> int:
@@ -139,11 +158,14 @@ def _check_meta(qa: QArray):
     shape = qa.shape
     if not isinstance(shape, tuple) or not all(isinstance(d, int) and d > 0 for d in shape):
         _fail(f"shape {shape!r} is not a tuple of positive ints")
-    if not isinstance(qa.n_in, int) or not 1 <= qa.n_in < len(shape):
-        _fail(f"n_in={qa.n_in!r} must be in [1, {len(shape) - 1}] for shape {shape}")
+    nb = qa.n_batch
+    if not isinstance(nb, int) or not 0 <= nb < len(shape) - 1:
+        _fail(f"n_batch={nb!r} must be in [0, {len(shape) - 2}] for shape {shape}")
+    if not isinstance(qa.n_in, int) or not 1 <= qa.n_in < len(shape) - nb:
+        _fail(f"n_in={qa.n_in!r} must be in [1, {len(shape) - nb - 1}] for shape {shape}")
     g = qa.group_size
-    if not isinstance(g, int) or g <= 0 or qa.k % g:
-        _fail(f"group_size={g!r} does not divide K={qa.k}")
+    if not isinstance(g, int) or g <= 0:
+        _fail(f"group_size={g!r} is not a positive int")
     if qa.bits == 4 and g % 2:
         _fail(f"group_size={g} must be even for 4-bit packing")
 
@@ -154,14 +176,14 @@ def validate(qa: QArray) -> QArray:
     if not isinstance(qa, QArray):
         _fail(f"expected a QArray, got {type(qa).__name__}")
     _check_meta(qa)
-    k, n, groups = qa.k, qa.n, qa.n_groups
+    kp, n, groups, b = qa.k_padded, qa.n, qa.n_groups, qa.batch_shape
     if qa.bits == 8:
-        _check_array("q", qa.q, np.int8, (k, n))
+        _check_array("q", qa.q, np.int8, (*b, kp, n))
     else:
-        _check_array("q", qa.q, np.uint8, (k // 2 if qa.bits == 4 else k, n))
-    _check_array("scale", qa.scale, np.float16, (groups, n))
+        _check_array("q", qa.q, np.uint8, (*b, kp // 2 if qa.bits == 4 else kp, n))
+    _check_array("scale", qa.scale, np.float16, (*b, groups, n))
     if qa.offset is not None:
-        _check_array("offset", qa.offset, np.float16, (groups, n))
+        _check_array("offset", qa.offset, np.float16, (*b, groups, n))
     return qa
 
 
@@ -196,19 +218,49 @@ def dequantize_rows(q, scale, offset, bits: int, group_size: int):
 
 
 def dequantize(qa: QArray, dtype=jnp.float32) -> jax.Array:
-    """The logical weight, shape `qa.shape`, computed in float32 then cast to `dtype`."""
-    w = dequantize_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)
-    return w.reshape(qa.shape).astype(dtype)
+    """The logical weight, shape `qa.shape`, computed in float32 then cast to `dtype` (the
+    padding rows of a short last group dropped)."""
+    one = lambda q, s, o: dequantize_rows(q, s, o, qa.bits, qa.group_size)[:qa.k]
+    for _ in range(qa.n_batch):
+        one = jax.vmap(one, in_axes=(0, 0, None if qa.offset is None else 0))
+    return one(qa.q, qa.scale, qa.offset).reshape(qa.shape).astype(dtype)
+
+
+def select(qa: QArray, idx) -> QArray:
+    """The matrices `idx` (i32[S]) of a stack (n_batch = 1): a stack of S. Only their
+    codes and scales are gathered (a decoding MoE step reads only its tokens' experts)."""
+    if qa.n_batch != 1:
+        raise JaxdecError(f"select needs a stack of matrices (n_batch=1), not n_batch={qa.n_batch}")
+    take = lambda a: None if a is None else jnp.take(jnp.asarray(a), idx, axis=0)
+    return QArray(q=take(qa.q), scale=take(qa.scale), offset=take(qa.offset), bits=qa.bits,
+                  group_size=qa.group_size, shape=(int(idx.shape[0]), *qa.shape[1:]),
+                  n_in=qa.n_in, n_batch=1)
+
+
+def pad_input(x, qa: QArray):
+    """x[..., K] -> x[..., Kp], zeros after K: the padding rows of a short last group then
+    add nothing to x @ W."""
+    extra = qa.k_padded - qa.k
+    if not extra:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def _single(qa: QArray, what: str) -> None:
+    if qa.n_batch:
+        raise JaxdecError(f"{what} takes one matrix, not a stack of {qa.batch_shape} "
+                          "(an expert stack goes through `jaxdec.ops.qmatmul.expert_matmul`)")
 
 
 def matmul_reference(x, qa: QArray) -> jax.Array:
     """x[..., K] @ W -> f32[..., N]: dequantise, then one float32 dot at highest precision.
     The portable path and the numerical truth for the quantised-matmul kernels."""
     validate(qa)
+    _single(qa, "matmul_reference")
     x = jnp.asarray(x)
     if x.shape[-1] != qa.k:
         raise JaxdecError(f"matmul_reference: x has {x.shape[-1]} features, QArray K={qa.k}")
-    w = dequantize_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)  # f32[K, N]
+    w = dequantize_rows(qa.q, qa.scale, qa.offset, qa.bits, qa.group_size)[:qa.k]  # f32[K, N]
     return jnp.dot(x.astype(jnp.float32), w,
                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -216,10 +268,11 @@ def matmul_reference(x, qa: QArray) -> jax.Array:
 def take_columns(qa: QArray, idx) -> jax.Array:
     """W[:, idx] over the flattened N axis -> f32[K, *idx.shape], dequantising only those
     columns (a tied-embedding lookup from a quantised LM head [D, V])."""
+    _single(qa, "take_columns")
     idx = jnp.asarray(idx)
     offset = None if qa.offset is None else jnp.asarray(qa.offset)[:, idx]
     return dequantize_rows(jnp.asarray(qa.q)[:, idx], jnp.asarray(qa.scale)[:, idx], offset,
-                         qa.bits, qa.group_size)
+                           qa.bits, qa.group_size)[:qa.k]
 
 
 # ---- quantisation ---------------------------------------------------------------------------
@@ -258,10 +311,11 @@ def _asymmetric_params(groups, lo: int, hi: int):
 
 
 def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = None,
-             n_in: int = 1) -> QArray:
+             n_in: int = 1, n_batch: int = 0) -> QArray:
     """Round-to-nearest group-wise quantisation of a float weight of logical shape w.shape
-    (its leading `n_in` dims contracted). `w` must lie inside float16's finite range
-    (|w| < 65504): scales and offsets are stored as float16. Pure jnp: jit it with the keywords static.
+    (after `n_batch` leading batch dims, each index its own matrix, its next `n_in` dims
+    contracted). `w` must lie inside float16's finite range (|w| < 65504): scales and
+    offsets are stored as float16. Pure jnp: jit it with the keywords static.
 
     - bits=8, symmetric (default): scale = absmax / 127, q in -127..127, no offset.
     - bits=8, asymmetric: q in -128..127 with an offset.
@@ -271,13 +325,29 @@ def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = Non
     Scales are computed in float32 and rounded UP to float16 (offsets down, for the
     asymmetric case) before q is computed, so |dequantize(qa) - w| <= stored scale / 2 up
     to float32 rounding. A zero scale (constant group) gives q = 0, never NaN. Groups whose
-    scale would overflow float16 are clamped (finite, but then outside that bound).
+    scale would overflow float16 are clamped (finite, but then outside that bound). When
+    `group_size` does not divide K the last group covers the K % group_size rows left (its
+    range is theirs: the padding rows repeat the last row).
     """
     shape = tuple(int(d) for d in jnp.shape(w))
     symmetric = (bits == 8) if symmetric is None else bool(symmetric)
-    k, n = _check_quantize_args(shape, bits, group_size, n_in)
+    k, n = _check_quantize_args(shape, bits, group_size, n_in, n_batch)
+    one = partial(_quantize_matrix, bits=bits, group_size=group_size, symmetric=symmetric)
+    for _ in range(n_batch):
+        one = jax.vmap(one)
+    q, scale, offset = one(jnp.asarray(w).astype(jnp.float32).reshape(*shape[:n_batch], k, n))
+    return validate(QArray(q=q, scale=scale, offset=offset, bits=bits, group_size=group_size,
+                           shape=shape, n_in=n_in, n_batch=n_batch))
+
+
+def _quantize_matrix(w, *, bits: int, group_size: int, symmetric: bool):
+    """f32[K, N] -> (codes, scale, offset) of `quantize` (padded to whole groups)."""
+    k, n = w.shape
+    kp = -(-k // group_size) * group_size
+    if kp > k:
+        w = jnp.pad(w, ((0, kp - k), (0, 0)), mode="edge")
     lo, hi, code_dtype = _CODES[(bits, symmetric)]
-    groups = jnp.asarray(w).astype(jnp.float32).reshape(k // group_size, group_size, n)
+    groups = w.reshape(kp // group_size, group_size, n)
     if symmetric:
         scale = _symmetric_scale(groups, lo, hi)
         codes = _round_codes(groups, scale, None, lo, hi)
@@ -285,23 +355,27 @@ def quantize(w, *, bits: int, group_size: int = 32, symmetric: bool | None = Non
     else:
         scale, offset = _asymmetric_params(groups, lo, hi)
         codes = _round_codes(groups, scale, offset, lo, hi)
-    codes = codes.reshape(k, n)
+    codes = codes.reshape(kp, n)
     if bits < 8:
         codes = codes - lo  # 0..2^bits - 1 (lo is 0 when asymmetric)
     if bits == 4:
         codes = pack_int4(codes)
-    qa = QArray(q=codes.astype(code_dtype), scale=scale, offset=offset, bits=bits,
-                group_size=group_size, shape=shape, n_in=n_in)
-    return validate(qa)
+    return codes.astype(code_dtype), scale, offset
 
 
 def from_codes(codes, scale, offset, *, bits: int, group_size: int, shape: tuple[int, ...],
                n_in: int = 1) -> QArray:
-    """A `QArray` from unpacked codes u8[K, N] in 0..2^bits - 1 (bits 2-4; i8 for 8) and
-    per-group scale/offset [G, N] (float16-representable; cast here): the constructor
-    that calibrated quantisers (GPTQ, AWQ, HQQ) build their results with."""
+    """A `QArray` from unpacked codes u8[K, N] in 0..2^bits - 1 (bits 2-4; i8 for 8), or
+    [Kp, N] with the padding rows of a short last group, and per-group scale/offset
+    [G, N] (float16-representable; cast here): the constructor that calibrated quantisers
+    (GPTQ, AWQ, HQQ) build their results with."""
     k, n = _check_quantize_args(tuple(shape), bits, group_size, n_in)
-    codes = np.asarray(codes).reshape(k, n)
+    kp = -(-k // group_size) * group_size
+    codes = np.asarray(codes)
+    codes = codes.reshape(codes.size // n, n)[:k]
+    if codes.shape[0] != k:
+        raise JaxdecError(f"from_codes: {codes.shape[0]} rows of codes for K={k}")
+    codes = np.pad(codes, ((0, kp - k), (0, 0)))
     if bits == 4:
         codes = pack_int4(codes.astype(np.uint8))
     code_dtype = np.int8 if bits == 8 else np.uint8
@@ -310,17 +384,20 @@ def from_codes(codes, scale, offset, *, bits: int, group_size: int, shape: tuple
                            bits=bits, group_size=group_size, shape=tuple(shape), n_in=n_in))
 
 
-def _check_quantize_args(shape: tuple[int, ...], bits: int, group_size: int,
-                         n_in: int) -> tuple[int, int]:
+def _check_quantize_args(shape: tuple[int, ...], bits: int, group_size: int, n_in: int,
+                         n_batch: int = 0) -> tuple[int, int]:
     """(K, N) for a weight of logical `shape`, or a JaxdecError naming the bad argument."""
     if bits not in BITS:
         raise JaxdecError(f"quantize: bits={bits!r}, expected one of {BITS}")
-    if not 1 <= n_in < len(shape):
-        raise JaxdecError(f"quantize: n_in={n_in} must be in [1, {len(shape) - 1}] for {shape}")
-    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-    if group_size <= 0 or k % group_size or (bits == 4 and group_size % 2):
-        raise JaxdecError(f"quantize: group_size={group_size} must divide K={k}"
-                          + (" and be even" if bits == 4 else ""))
+    if not 0 <= n_batch < len(shape) - 1:
+        raise JaxdecError(f"quantize: n_batch={n_batch} must be in [0, {len(shape) - 2}] for {shape}")
+    if not 1 <= n_in < len(shape) - n_batch:
+        raise JaxdecError(f"quantize: n_in={n_in} must be in [1, {len(shape) - n_batch - 1}] "
+                          f"for {shape}")
+    k, n = math.prod(shape[n_batch:n_batch + n_in]), math.prod(shape[n_batch + n_in:])
+    if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or (bits == 4 and group_size % 2):
+        raise JaxdecError(f"quantize: group_size={group_size} must be a positive int"
+                          + (" and even for 4 bits" if bits == 4 else ""))
     return k, n
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec import layers
-from jaxdec.cache import dense
+from jaxdec.cache import entry
 from jaxdec.config import MambaConfig, ModelConfig
 from jaxdec.pytree import ParamSpec
 
@@ -211,17 +211,17 @@ def init_state(cfg: MambaConfig, batch: int, dtype=jnp.float32):
             jnp.zeros(shapes["ssm"], jnp.float32))
 
 
-def block(x, p: MixerParams, positions, entry: dense.StateLayer | None, cfg: ModelConfig):
+def block(x, p: MixerParams, positions, state: entry.StateLayer | None, cfg: ModelConfig):
     """The Mamba sublayer of a model: x [B, T, D] -> ([B, T, D], updated state). Rows are
     right-padded (positions < 0 mark padding and inactive rows, which leave the state as it
     was); without a cache entry the scan starts from zeros."""
     lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
-    if entry is None:
+    if state is None:
         conv, ssm = init_state(cfg.mamba, x.shape[0], x.dtype)
     else:
-        conv, ssm = (entry.conv_x, entry.conv_bc), entry.ssm
+        conv, ssm = (state.conv_x, state.conv_bc), state.ssm
     y, conv, ssm = mixer(p, x, conv, ssm, lengths, cfg.mamba, cfg.norm_eps)
-    return y, (None if entry is None else dense.StateLayer(conv_x=conv[0], conv_bc=conv[1], ssm=ssm))
+    return y, (None if state is None else entry.StateLayer(conv_x=conv[0], conv_bc=conv[1], ssm=ssm))
 
 
 def mixer(p: MixerParams, x, conv_state, ssm_state, lengths, cfg: MambaConfig, eps: float):

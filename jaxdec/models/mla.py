@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec import layers
-from jaxdec.cache import dense
+from jaxdec.cache import entry
 from jaxdec.config import ModelConfig, yarn_mscale
 from jaxdec.pytree import ParamSpec
 
@@ -88,29 +88,35 @@ def attend(p: MLAParams, q_nope, q_rope, blocks, cfg: ModelConfig, *, absorbed: 
     [B, T, D] (after the output projection). Each block is (c [B, S_i, R], k_rope [B, S_i,
     rope], mask bool[B, T, S_i]): decoding passes the cache as it was and the chunk's own
     latents, so the cache is read where it lies and only the loop carry updates it."""
-    w_uk, w_uv = jnp.split(p.kv_b, [cfg.mla.qk_nope_head_dim], axis=-1)  # [R, N, nope], [R, N, v]
+    # [R, N, nope], [R, N, v]: the per-head products contract kv_b's output axes, which no
+    # quantised matmul does, so a quantised kv_b is used at its dequantised values
+    kv_b = layers.weight_value(p.kv_b)
+    w_uk, w_uv = jnp.split(kv_b, [cfg.mla.qk_nope_head_dim], axis=-1)
     f32 = jnp.float32
+    # products accumulate in float32 from float32 operands: a bf16 x bf16 -> f32 batched dot
+    # has no XLA:CPU thunk (the absorbed decode step failed on bf16 weights), and widening
+    # bf16 is exact, so the sums are the same
+    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(f32), b.astype(f32))
     if absorbed:
-        q_lat = jnp.einsum("btnk,rnk->btnr", q_nope, w_uk, preferred_element_type=f32)
+        q_lat = mm("btnk,rnk->btnr", q_nope, w_uk)
 
     def block_scores(c, k_rope, mask):
-        s = jnp.einsum("btnr,bsr->bnts", q_rope, k_rope, preferred_element_type=f32)
+        s = mm("btnr,bsr->bnts", q_rope, k_rope)
         if absorbed:
-            s += jnp.einsum("btnr,bsr->bnts", q_lat.astype(c.dtype), c, preferred_element_type=f32)
+            s += mm("btnr,bsr->bnts", q_lat.astype(c.dtype), c)
         else:
-            s += jnp.einsum("btnk,bsnk->bnts", q_nope, jnp.einsum("bsr,rnk->bsnk", c, w_uk),
-                            preferred_element_type=f32)
+            s += mm("btnk,bsnk->bnts", q_nope, jnp.einsum("bsr,rnk->bsnk", c, w_uk).astype(c.dtype))
         return jnp.where(mask[:, None], s * softmax_scale(cfg), layers.NEG_INF)
 
     probs = layers.block_softmax([block_scores(*blk) for blk in blocks])
     out = 0.0
     for pb, (c, _, _) in zip(probs, blocks):
         if absorbed:
-            out_lat = jnp.einsum("bnts,bsr->btnr", pb.astype(c.dtype), c, preferred_element_type=f32)
-            out += jnp.einsum("btnr,rnv->btnv", out_lat.astype(c.dtype), w_uv, preferred_element_type=f32)
+            out_lat = mm("bnts,bsr->btnr", pb.astype(c.dtype), c)
+            out += mm("btnr,rnv->btnv", out_lat.astype(c.dtype), w_uv)
         else:
-            v = jnp.einsum("bsr,rnv->bsnv", c, w_uv)
-            out += jnp.einsum("bnts,bsnv->btnv", pb.astype(v.dtype), v, preferred_element_type=f32)
+            v = jnp.einsum("bsr,rnv->bsnv", c, w_uv).astype(c.dtype)
+            out += mm("bnts,bsnv->btnv", pb.astype(v.dtype), v)
     return layers.linear(out.astype(q_nope.dtype), p.o, n_in=2)
 
 
@@ -131,18 +137,19 @@ def declare(cfg: ModelConfig) -> MLAParams:
     )
 
 
-def block(x, p: MLAParams, positions, entry: dense.LatentLayer | None, past, cfg: ModelConfig,
+def block(x, p: MLAParams, positions, kv: entry.LatentLayer | None, past, cfg: ModelConfig,
           tree=None):
     """The attention sublayer of an MLA model: x [B, T, D] -> ([B, T, D], updated cache
-    entry). Queries see the cached latents marked by `past` (bool[B, T, S]) and the chunk's
-    own, causally. Short chunks (decode, verification) run absorbed, so the cache is read
+    entry). Queries see the cached latents by their positions (or as `past`, bool[B, T,
+    S + 1], marks them) and the chunk's own, causally. Short chunks (decode, verification) run absorbed, so the cache is read
     as latents; long ones (prefill) expand keys and values per head."""
     q_nope, q_rope = queries(p, x, positions, cfg)
     c, k_rope = latents(p, x, positions, cfg)
-    mask, slots = (dense.chunk_mask(positions), positions) if tree is None else tree
+    mask, slots = (entry.chunk_mask(positions), positions) if tree is None else tree
     absorbed = x.shape[1] <= MAX_ABSORBED_T
     chunk = (c, k_rope, mask)
-    if entry is None:
+    if kv is None:
         return attend(p, q_nope, q_rope, [chunk], cfg, absorbed=absorbed), None
-    out = attend(p, q_nope, q_rope, [(entry.c, entry.k_rope, past), chunk], cfg, absorbed=absorbed)
-    return out, dense.write_latent(entry, c, k_rope, slots)
+    past = kv.before(positions) if past is None else past
+    out = attend(p, q_nope, q_rope, [(kv.c, kv.k_rope, past), chunk], cfg, absorbed=absorbed)
+    return out, kv.write(c, k_rope, slots, positions)

@@ -7,6 +7,10 @@ k experts per token. Expert weights are stored (in, out) like every jaxdec weigh
 w_gate, w_up [E, D, F], w_down [E, F, D]. Experts are SwiGLU MLPs, or squared-ReLU MLPs
 without a gate (Nemotron-H: w_gate None), as the model's dense MLPs are.
 
+Expert weights may be arrays or stacks of `QArray`s (int8/int4, quantised per expert);
+the two expert products (`jaxdec.ops.qmatmul.expert_matmul`, `ragged_matmul`) dispatch on
+the weight, so this module never branches on the format.
+
 Dispatch (`experts`) picks by the static number of (token, expert) pairs N*k:
 - at most E pairs (decoding): each pair gathers its expert's weights, so a step reads only
   the k experts each token uses: fewer active experts, fewer bytes;
@@ -24,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec import layers, sharding
-from jaxdec.ops import cpu_kernel
 from jaxdec.config import ModelConfig, MoEConfig
+from jaxdec.ops import qmatmul
 from jaxdec.pytree import ParamSpec
 
 
@@ -88,7 +92,7 @@ class Experts:
 def experts_dropless(x, idx, weights, p: Experts):
     """sum_j weights[n, j] * SwiGLU_{idx[n, j]}(x[n]) with no token dropped: the N*k
     (token, expert) pairs are sorted by expert and run as grouped matmuls
-    (`cpu_kernel.ragged_matmul`), each expert over exactly the rows routed to it.
+    (`qmatmul.ragged_matmul`), each expert over exactly the rows routed to it.
     x [N, D]; idx i32[N, k]; weights [N, k] -> [N, D] in x.dtype. A pair whose index is
     E (another shard's expert) sorts last, past every group, and adds nothing."""
     n, k = idx.shape
@@ -98,7 +102,7 @@ def experts_dropless(x, idx, weights, p: Experts):
     token = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[token]
-    grouped = lambda a, w: cpu_kernel.ragged_matmul(a, w, sizes)
+    grouped = lambda a, w: qmatmul.ragged_matmul(a, w, sizes)
     h = layers.mlp_act(None if p.w_gate is None else grouped(xs, p.w_gate), grouped(xs, p.w_up))
     y = grouped(h.astype(x.dtype), p.w_down)
     y = y * weights.reshape(-1)[order][:, None].astype(jnp.float32)
@@ -107,15 +111,16 @@ def experts_dropless(x, idx, weights, p: Experts):
 
 def experts_gathered(x, idx, weights, p: Experts):
     """`experts_dropless` for few pairs: each (token, expert) pair multiplies by its expert's
-    weights where they lie (`cpu_kernel.expert_matmul`: on the CPU nothing is copied, so only
-    the chosen experts are read). x [N, D]; idx i32[N, k]; weights [N, k]. A pair whose
+    weights where they lie (`qmatmul.expert_matmul`: on the CPU dense experts are read in
+    place and quantised ones gathered in their stored bytes, so only the chosen experts
+    are read). x [N, D]; idx i32[N, k]; weights [N, k]. A pair whose
     index is E (another shard's expert) runs expert 0 at weight 0."""
     n, k = idx.shape
     outside = idx >= p.w_up.shape[0]
     weights = jnp.where(outside, 0, weights)
     slots = jnp.where(outside, 0, idx).reshape(-1)
     xs = jnp.repeat(x, k, axis=0)[:, None, :]  # [N*k, 1, D]
-    mm = lambda a, w: cpu_kernel.expert_matmul(a, w, slots)
+    mm = lambda a, w: qmatmul.expert_matmul(a, w, slots)
     h = layers.mlp_act(None if p.w_gate is None else mm(xs, p.w_gate), mm(xs, p.w_up))  # [N*k, 1, F]
     y = mm(h.astype(x.dtype), p.w_down).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(x.dtype)
@@ -197,7 +202,8 @@ class MoEParams:
 def declare(cfg: ModelConfig) -> MoEParams:
     m, d = cfg.moe, cfg.d_model
     gated = cfg.mlp_act == "silu"
-    ew = lambda shape, axes: ParamSpec(shape, axes)  # experts are not matmul-declared (n_in)
+    # a stack of E matmul weights: one batch dim (the expert), then one contracted
+    ew = lambda shape, axes: ParamSpec(shape, axes, n_in=1, n_batch=1)
     expert_in = ew((m.n_experts, d, m.d_expert), ("expert", "embed", "expert_mlp"))
     shared = m.d_shared > 0
     lin = lambda shape, axes: ParamSpec(shape, axes, n_in=1) if shared else None

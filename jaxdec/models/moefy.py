@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec import layers
+from jaxdec import layers, transforms
 from jaxdec.config import ModelConfig, MoEConfig
 from jaxdec.models import moe, transformer
 
@@ -121,6 +121,15 @@ def moefy_model(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray,
     new_cfg = dataclasses.replace(cfg, moe=moe_cfg, layer_types=tuple(
         f"{mixer}+moe" if mixer else "moe" for mixer, _ in cfg.kinds))
     return new_cfg, dataclasses.replace(params, layers=tuple(new_layers))
+
+
+@transforms.register("moefy", needs_calib=True,
+                     summary="SwiGLU MLPs split into routed experts with fitted routers (MoEfication)")
+def moefy_transform(params: transformer.Params, cfg: ModelConfig, calib: np.ndarray, **options):
+    """`moefy_model` as a weight transform (options: n_experts, top_k, n_shared, batch,
+    progress): (params, cfg) of the MoEfied model."""
+    new_cfg, new_params = moefy_model(params, cfg, calib, **options)
+    return new_params, new_cfg
 
 
 def moefy_layer(mlp: transformer.MLP, x: np.ndarray, *, n_experts: int, n_shared: int = 0,

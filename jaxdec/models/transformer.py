@@ -13,14 +13,16 @@ gives each token's position; a negative position marks padding (ragged batches).
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from jaxdec import formats, layers, sharding
-from jaxdec.cache import dense, kinds
+from jaxdec import formats, layers
+from jaxdec.cache import dense, entry
 from jaxdec.config import ModelConfig
+from jaxdec.errors import JaxdecError
 from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
 from jaxdec.ops import cpu_kernel
@@ -61,12 +63,27 @@ FeedForward = MLP | moe.MoEParams
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
     """One layer: x += mixer(norm(x)), then x += ffn(norm(x)); either part may be absent
-    (None), as the config's layer type says."""
+    (None), as the config's layer type says. With `cfg.post_norms` a layer is a
+    `PostNormLayerParams`."""
 
     mixer_norm: jax.Array | None  # [D]
     mixer: Mixer | None
     ffn_norm: jax.Array | None  # [D]
     ffn: FeedForward | None
+    mixer_post_norm = None  # not fields here (saved checkpoints keep their tree): see below
+    ffn_post_norm = None
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["mixer_norm", "mixer", "ffn_norm", "ffn", "mixer_post_norm", "ffn_post_norm"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PostNormLayerParams(LayerParams):
+    """A layer that norms each part's output again before adding it (Gemma, `cfg.post_norms`):
+    x += post_norm(mixer(norm(x))), then x += post_norm(ffn(norm(x)))."""
+
+    mixer_post_norm: jax.Array | None = None  # [D]
+    ffn_post_norm: jax.Array | None = None  # [D]
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -83,21 +100,28 @@ def declare(cfg: ModelConfig) -> Params:
     """The one declaration of every parameter: shape, logical axes, initializer."""
     d, v = cfg.d_model, cfg.vocab_size
     norm = ParamSpec((d,), ("norm",), init="ones")
-    mixers = {"attention": _declare_attention, "mla": mla.declare, "mamba": mamba.declare}
-    ffns = {"mlp": _declare_mlp, "moe": moe.declare}
-    layer = lambda mixer, ffn: LayerParams(
-        mixer_norm=norm if mixer else None, mixer=mixers[mixer](cfg) if mixer else None,
-        ffn_norm=norm if ffn else None, ffn=ffns[ffn](cfg) if ffn else None)
+    # each declared for layer i (attention and MLP widths may differ per layer)
+    mixers = {"attention": _declare_attention, "mla": lambda cfg, i: mla.declare(cfg),
+              "mamba": lambda cfg, i: mamba.declare(cfg)}
+    ffns = {"mlp": _declare_mlp, "moe": lambda cfg, i: moe.declare(cfg)}
+
+    def layer(i, mixer, ffn):
+        parts = dict(mixer_norm=norm if mixer else None, mixer=mixers[mixer](cfg, i) if mixer else None,
+                     ffn_norm=norm if ffn else None, ffn=ffns[ffn](cfg, i) if ffn else None)
+        if not cfg.post_norms:
+            return LayerParams(**parts)
+        return PostNormLayerParams(**parts, mixer_post_norm=norm if mixer else None,
+                                   ffn_post_norm=norm if ffn else None)
     return Params(
         embed=None if cfg.tie_embeddings else ParamSpec((v, d), ("vocab", "embed")),
-        layers=tuple(layer(mixer, ffn) for mixer, ffn in cfg.kinds),
+        layers=tuple(layer(i, mixer, ffn) for i, (mixer, ffn) in enumerate(cfg.kinds)),
         final_norm=norm,
         lm_head=ParamSpec((d, v), ("embed", "vocab"), n_in=1),
     )
 
 
-def _declare_attention(cfg: ModelConfig) -> Attention:
-    d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+def _declare_attention(cfg: ModelConfig, i: int) -> Attention:
+    d, n, k, h = cfg.d_model, cfg.heads(i), cfg.kv_heads(i), cfg.head_dim
     bias = lambda heads, name: (ParamSpec((heads, h), (name, "head_dim"), init="zeros")
                                 if cfg.qkv_bias else None)
     qk_norm = ParamSpec((h,), ("norm",), init="ones") if cfg.qk_norm else None
@@ -110,11 +134,43 @@ def _declare_attention(cfg: ModelConfig) -> Attention:
         q_norm=qk_norm, k_norm=qk_norm)
 
 
-def _declare_mlp(cfg: ModelConfig) -> MLP:
-    d, f = cfg.d_model, cfg.d_ff
-    return MLP(w_gate=ParamSpec((d, f), ("embed", "mlp"), n_in=1) if cfg.mlp_act == "silu" else None,
+def _declare_mlp(cfg: ModelConfig, i: int) -> MLP:
+    d, f = cfg.d_model, cfg.ffn_width(i)
+    return MLP(w_gate=ParamSpec((d, f), ("embed", "mlp"), n_in=1) if cfg.mlp_act != "relu2" else None,
                w_up=ParamSpec((d, f), ("embed", "mlp"), n_in=1),
                w_down=ParamSpec((f, d), ("mlp", "embed"), n_in=1))
+
+
+def check_params(params: Params, cfg: ModelConfig, source: str = "") -> None:
+    """A one-line JaxdecError naming the first parameter of `params` whose shape is not
+    the one `cfg` declares (e.g. a pruned model's weights under other widths), or that is
+    missing or not declared. Weights of any format are compared by their logical shape."""
+    prefix = f"{source}: " if source else ""
+    is_leaf = lambda x: x is None or isinstance(x, ParamSpec)
+    for keypath, spec in jax.tree_util.tree_flatten_with_path(declare(cfg), is_leaf=is_leaf)[0]:
+        value, name = params, []
+        for k in keypath:
+            name.append(k.name if isinstance(k, jax.tree_util.GetAttrKey) else str(k.idx))
+            if isinstance(k, jax.tree_util.GetAttrKey):
+                value = getattr(value, k.name, None)
+            else:
+                value = value[k.idx] if isinstance(value, (tuple, list)) and k.idx < len(value) else None
+            if value is None:
+                break
+        name = ".".join(name)
+        if (spec is None) != (value is None):
+            what = "is missing" if value is None else "is not declared by the config"
+            raise JaxdecError(f"{prefix}parameter {name} {what} (config {cfg.arch}, "
+                              f"{cfg.n_layers} layers)")
+        while spec is not None and not hasattr(value, "shape") and hasattr(value, "w"):
+            value = value.w  # (an activation-quantised weight's matrix)
+        shape = getattr(value, "shape", None)
+        if spec is not None and shape is not None and tuple(shape) != tuple(spec.shape):
+            raise JaxdecError(f"{prefix}parameter {name} has shape {tuple(shape)}, the config "
+                              f"declares {tuple(spec.shape)}")
+    if len(params.layers) != cfg.n_layers:
+        raise JaxdecError(f"{prefix}the parameters have {len(params.layers)} layers, the config "
+                          f"{cfg.n_layers}")
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -144,77 +200,99 @@ def _take(table: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def project_qkv(x, p: Attention, positions, cfg: ModelConfig, mm=layers.linear):
-    """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]: biases, q/k norms and RoPE
-    applied. `mm` is the matmul (`layers.linear`; training passes a differentiable one)."""
+def project_qkv(x, p: Attention, positions, cfg: ModelConfig, mm=layers.linear, *,
+                window: int | None = None):
+    """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]: biases, q/k norms and RoPE (a
+    windowed layer's, `cfg.rope_of(window)`) applied, q rescaled so that `layers.attention`'s
+    H ** -0.5 makes `cfg.query_scale`. `mm` is the matmul (`layers.linear`; training passes a
+    differentiable one)."""
     q, k, v = mm(x, p.wq), mm(x, p.wk), mm(x, p.wv)
     if p.bq is not None:
         q, k, v = q + p.bq, k + p.bk, v + p.bv
     if p.q_norm is not None:
         q, k = layers.rms_norm(q, p.q_norm, cfg.norm_eps), layers.rms_norm(k, p.k_norm, cfg.norm_eps)
     if cfg.attention_rope:
-        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
+        theta, scaling = cfg.rope_of(window)
+        inv_freq = layers.rope_inv_freq(cfg.head_dim, theta, scaling)
+        factor = scaling.attention_factor if scaling else 1.0
         q, k = layers.rope(q, positions, inv_freq, factor), layers.rope(k, positions, inv_freq, factor)
+    if cfg.query_scale is not None:
+        q = q * jnp.asarray(cfg.query_scale * math.sqrt(cfg.head_dim), q.dtype)
     return q, k, v
 
 
-def attention_block(x, p: Attention, positions, kv: dense.KVLayer | None, past, cfg: ModelConfig,
-                    tree: "Tree | None" = None):
-    """x: [B, T, D] -> ([B, T, D], updated cache layer). `past` (bool[B, T, S]) marks the
-    cache slots each query sees besides the chunk itself (None without a cache); `tree`
-    replaces the chunk's causal mask and the slots it is written to (see `Tree`)."""
+def attention_block(x, p: Attention, positions, kv, past, cfg: ModelConfig,
+                    tree: "Tree | None" = None, window: int | None = None):
+    """x: [B, T, D] -> ([B, T, D], updated cache entry). Queries see the entry's slots by
+    their positions (`jaxdec.cache.entry`) and the chunk's own keys causally, within
+    `window` on a sliding-window layer; `past` (bool[B, T, S + 1]) overrides which slots
+    of the entry they see, `tree` the chunk's causal mask and the slots it is written to
+    (see `Tree`)."""
     with jax.named_scope("attention"):
-        q, k, v = project_qkv(x, p, positions, cfg)
-        mask, slots = (dense.chunk_mask(positions), positions) if tree is None else tree
-        chunk = (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask)
+        q, k, v = project_qkv(x, p, positions, cfg, window=window)  # (Gemma 3's local RoPE)
+        mask, slots = (entry.chunk_mask(positions, window), positions) if tree is None else tree
+        t = q.shape[1]
         if kv is None:  # attend within the chunk only
-            out = layers.attention(q, chunk)
-        elif q.shape[1] == 1 and tree is None and (cfg.attention_impl != "xla" or not isinstance(kv, dense.KVLayer)):
-            # a decode step through the kernel op of the entry's kind: write, then attend
-            kv = kinds.write(kv, k, v, positions)
-            seen = jnp.where(positions[:, 0] >= 0, positions[:, 0] + 1, 0)
-            out = kinds.decode_attention(q[:, 0], kv, seen, cfg.attention_impl)[:, None]
-        elif tree is None and isinstance(kv, dense.KVLayer) and cpu_kernel.attends(q.shape[1], kv.k.dtype):
-            # a short chunk (a decode step, a speculative draft) on the CPU kernel: write, then
-            # attend over the cache alone. Each query's sums then run over its keys in slot
-            # order whatever the chunk's length, so a draft's verification computes every row
-            # bit for bit as the decode step of that token would (greedy speculation stays
-            # token-identical to plain decoding, in bf16 too).
-            kv = kinds.write(kv, k, v, positions)
-            out = layers.attention(q, (kv.k, kv.v, dense.with_chunk(past, positions, mask)))
-        else:  # the cache as it was before this chunk, then the chunk itself
-            out = layers.attention(q, (*kinds.dense_view(kv, q.dtype), past), chunk)
-            kv = kinds.write(kv, k, v, slots)
+            out = layers.attention(q, (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask))
+        elif t == 1 and tree is None and past is None:  # a decode step: the kind's decode op
+            kv = kv.write(k, v, slots, positions)
+            out = kv.attend(q[:, 0], positions[:, 0], cfg.attention_impl, window)[:, None]
+        elif kv.writes_first or (cpu_kernel.attends(t, q.dtype) and kv.holds_chunk(t)):
+            # write, then attend over the entry alone: a quantised kind's every chunk (a
+            # prompt sees its own keys as stored, as its decode steps and drafts will), any
+            # kind's short chunk (a draft, a tree) that the entry holds whole (in a window's
+            # ring, at most margin + 1 tokens: `holds_chunk`). Each query's sums run over its
+            # keys in slot order, as stored, whatever the chunk's length, so a draft's
+            # verification computes every row bit for bit as the decode step of that token
+            # would (greedy speculation is token-identical to plain decoding on every kind)
+            kv = kv.write(k, v, slots, positions)
+            if tree is None and past is None:
+                seen = kv.visible(positions, window)
+            else:
+                seen = kv.with_chunk(kv.before(positions, window) if past is None else past,
+                                     slots, positions, mask)
+            out = layers.attention(q, (*kv.view(q.dtype), seen))
+        else:  # a long chunk (a prompt) on a lossless kind, or a chunk longer than a ring's
+            # margin: the entry as it was before this chunk, then the chunk's own keys (the
+            # same values the entry then holds)
+            seen = kv.before(positions, window) if past is None else past
+            out = layers.attention(q, (*kv.view(q.dtype), seen),
+                                   (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask))
+            kv = kv.write(k, v, slots, positions)
         return layers.linear(out, p.wo, n_in=2), kv
 
 
-def decoder_layer(x, p: LayerParams, positions, entry, past, cfg: ModelConfig, kind, tree=None):
-    """One layer of kind (mixer, feed-forward) -> (x, its updated cache entry)."""
+def decoder_layer(x, p: LayerParams, positions, kv, past, cfg: ModelConfig, kind, tree=None,
+                  window: int | None = None):
+    """One layer of kind (mixer, feed-forward) -> (x, its updated cache entry `kv`)."""
     mixer, ffn = kind
     p = dfloat11.decompress_tree(p, after=x)  # DFloat11 weights: one decode per layer, here
     if mixer is not None:
         h = layers.rms_norm(x, p.mixer_norm, cfg.norm_eps)
         if mixer == "attention":
-            h, entry = attention_block(h, p.mixer, positions, entry, past, cfg, tree)
+            h, kv = attention_block(h, p.mixer, positions, kv, past, cfg, tree, window)
         elif mixer == "mla":
             with jax.named_scope("mla"):
-                h, entry = mla.block(h, p.mixer, positions, entry, past, cfg, tree)
+                h, kv = mla.block(h, p.mixer, positions, kv, past, cfg, tree)
         else:
             if tree is not None:
                 raise ValueError("a Mamba layer cannot verify a tree of tokens")
             with jax.named_scope("mamba"):
-                h, entry = mamba.block(h, p.mixer, positions, entry, cfg)
+                h, kv = mamba.block(h, p.mixer, positions, kv, cfg)
+        if p.mixer_post_norm is not None:
+            h = layers.rms_norm(h, p.mixer_post_norm, cfg.norm_eps)
         x = x + h
     if ffn is not None:
         h = layers.rms_norm(x, p.ffn_norm, cfg.norm_eps)
         if ffn == "mlp":
-            h = layers.gated_mlp(h, p.ffn.w_gate, p.ffn.w_up, p.ffn.w_down)
+            h = layers.gated_mlp(h, p.ffn.w_gate, p.ffn.w_up, p.ffn.w_down, cfg.mlp_act)
         else:
             with jax.named_scope("moe"):
                 h = moe.block(h, p.ffn, cfg)
+        if p.ffn_post_norm is not None:
+            h = layers.rms_norm(h, p.ffn_post_norm, cfg.norm_eps)
         x = x + h
-    return x, entry
+    return x, kv
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["mask", "slots"], meta_fields=[])
@@ -242,21 +320,22 @@ def hidden_and_taps(params: Params, tokens, positions, cache: dense.KVCache | No
     """`hidden`, with a tree chunk (`Tree`) and the residual stream entering each layer of
     `taps` ([B, T, D] each, in order: the features a speculative drafter reads)."""
     x = embed(params, tokens)
-    past = None if cache is None else dense.before(cache.lengths, positions, cache.n_slots)
+    if cfg.embed_scale is not None:  # in the activation dtype, as HF's Gemma does
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     new_layers, tapped = [], []
     for i, (p, kind) in enumerate(zip(params.layers, cfg.kinds)):  # unrolled: faster than scan on XLA:CPU
         if i in taps:
             tapped.append(x)
-        entry = None if cache is None else cache.layers[i]
+        kv = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer_{i}"):
-            x, entry = decoder_layer(x, p, positions, entry, past, cfg, kind, tree)
-        new_layers.append(entry)
+            x, kv = decoder_layer(x, p, positions, kv, None, cfg, kind, tree, cfg.window(i))
+        new_layers.append(kv)
     x = layers.rms_norm(x, params.final_norm, cfg.norm_eps)
     tapped = tuple(tapped[sorted(taps).index(i)] for i in taps)
     if cache is None:
         return x, None, tapped
     cache = dense.KVCache(layers=tuple(new_layers), lengths=dense.advance(cache.lengths, positions))
-    return x, sharding.constrain_cache(cache, cfg), tapped
+    return x, dense.constrain(cache, cfg), tapped
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

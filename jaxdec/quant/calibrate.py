@@ -80,13 +80,13 @@ def matmul_names(layer_decl) -> list[str]:
     """Key paths (within one layer) of the layer's matmul weights, in declaration order."""
     found = jax.tree_util.tree_flatten_with_path(layer_decl, is_leaf=is_spec)[0]
     return [jax.tree_util.keystr(path) for path, spec in found
-            if isinstance(spec, ParamSpec) and spec.n_in is not None]
+            if isinstance(spec, ParamSpec) and spec.n_in is not None and not spec.n_batch]
 
 
 def _tapped(layer, layer_decl):
     """The layer with every declared matmul weight wrapped in a `Tap` named by its path."""
     def one(path, spec, w):
-        if isinstance(spec, ParamSpec) and spec.n_in is not None:
+        if isinstance(spec, ParamSpec) and spec.n_in is not None and not spec.n_batch:
             return tap.Tap(w, jax.tree_util.keystr(path))
         return w
     return jax.tree_util.tree_map_with_path(one, layer_decl, layer,
@@ -153,7 +153,7 @@ def run_layers(params, cfg, tokens: np.ndarray, quantize_layer, *, batch: int = 
 def _columns(path, spec, g):
     """A matmul weight's squared gradient summed over its output axes -> f32[K]; None for
     any other parameter."""
-    if isinstance(spec, ParamSpec) and spec.n_in is not None:
+    if isinstance(spec, ParamSpec) and spec.n_in is not None and not spec.n_batch:
         return jnp.square(g.astype(jnp.float32)).reshape(int(np.prod(g.shape[:spec.n_in])), -1).sum(1)
     return None
 

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdec import transforms
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -562,3 +563,20 @@ def table_row(params, cfg: ModelConfig, name: str, bits: int, calib, *, progress
         raise JaxdecError(f"unknown rotation row {name!r} (one of {', '.join(TABLE_ROWS)})")
     return quantize_w4a4kv4(params, cfg, TABLE_ROWS[name], calib, w_bits=bits, act_bits=bits,
                             kv_bits=bits, progress=progress)
+
+
+_ROW_SUMMARIES = {"w4a4": "W{b}A{b}KV{b}, GPTQ weights per output channel, no rotation",
+                  "hadamard": "W{b}A{b}KV{b} after random block-Hadamard rotations (QuaRot)",
+                  "kurtail": "W{b}A{b}KV{b} after rotations learned by minimising kurtosis"}
+
+
+def _register_row(name: str) -> None:
+    @transforms.register(name, needs_calib=True, summary=_ROW_SUMMARIES[name])
+    def transform(params, cfg: ModelConfig, calib, *, bits: int = 4, progress=None):
+        """`table_row` at `bits`; the config's LM head untied (the rotations untie it)."""
+        params = table_row(params, cfg, name, bits, calib, progress=progress)
+        return params, dataclasses.replace(cfg, tie_embeddings=False)
+
+
+for _row in TABLE_ROWS:
+    _register_row(_row)

@@ -2,6 +2,11 @@
 
     params = quantize_model(params, cfg, QuantSpec(method="gptq", bits=4, group_size=64),
                             calib=tokens)
+    params, cfg = transforms.apply("gptq", params, cfg, tokens, bits=4, group_size=64)  # the same
+
+Each method is registered as the weight transform of its name (`jaxdec.transforms`; options:
+QuantSpec's fields, and `progress`). A group size that does not divide a matmul's input
+size K gives its last group the K % group_size inputs left (`short_groups`).
 
 Every matmul weight of the transformer blocks is quantised; the embedding, the LM head,
 norms and biases keep their dtype (as the methods' papers do). Weight-only methods return
@@ -32,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdec import transforms
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
-from jaxdec.models import transformer
 from jaxdec.quant import calibrate, ptq
 from jaxdec.formats.actquant import ActQuant
-from jaxdec.formats.qarray import QArray, from_codes, quantize
+from jaxdec.formats.qarray import from_codes, quantize
 
 # method -> (weight bits allowed, needs calibration statistics)
 METHODS = {
@@ -95,7 +100,6 @@ def quantize_model(params, cfg: ModelConfig, spec: QuantSpec, *, calib: np.ndarr
     need it. Bad settings raise a one-line JaxdecError before any work."""
     spec.check()
     _check_supported(cfg, spec)
-    _check_groups(params, cfg, spec)
     if spec.needs_calibration:
         if calib is None:
             raise JaxdecError(f"{spec.method} needs calibration tokens")
@@ -131,15 +135,45 @@ def _matmuls(layer, cfg: ModelConfig):
     return [(a.wq, 1), (a.wk, 1), (a.wv, 1), (a.wo, 2), (f.w_gate, 1), (f.w_up, 1), (f.w_down, 1)]
 
 
-def _check_groups(params, cfg: ModelConfig, spec: QuantSpec) -> None:
+def short_groups(params, spec: QuantSpec) -> dict[str, tuple[int, int]]:
+    """{matmul name: (input size K, inputs in its last group)} of the block matmuls whose K
+    `spec.group_size` does not divide (first layer's names; their last group holds the
+    K % group_size inputs left, `QArray`): what `jaxdec quantize` reports."""
     if spec.per_channel:
-        return
+        return {}
     names = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
-    for name, (w, n_in) in zip(names, _matmuls(params.layers[0], cfg)):
-        k = _k_of(w, n_in)
-        if k % spec.group_size:
-            raise JaxdecError(f"group size {spec.group_size} does not divide the input size "
-                              f"{k} of {name}")
+    ks = {name: _k_of(w, n_in) for name, (w, n_in) in zip(names, _matmuls(params.layers[0], None))}
+    return {name: (k, k % spec.group_size) for name, k in ks.items() if k % spec.group_size}
+
+
+def short_group_note(params, spec: QuantSpec) -> str | None:
+    """One line naming the matmuls whose last group is short (`short_groups`), or None:
+    "group 128: last group of wq, wk, ... has 64 of 128 columns (576 = 4 x 128 + 64)"."""
+    short = short_groups(params, spec)
+    if not short:
+        return None
+    g = spec.group_size
+    by_k = {}
+    for name, k_rem in short.items():
+        by_k.setdefault(k_rem, []).append(name)
+    parts = [f"last group of {', '.join(names)} has {r} of {g} columns ({k} = {k // g} x {g} + {r})"
+             for (k, r), names in by_k.items()]
+    return f"group {g}: " + "; ".join(parts)
+
+
+def _pad_inputs(w2: np.ndarray, g: int, h=None, x_mean=None):
+    """w f32[K, N] (and H f[K, K], mean |x| f[K]) padded to whole groups of g inputs, for
+    the per-matrix quantisers, which need g | K: the padding inputs repeat the last row (so
+    min-max ranges stay the real rows') and have H = 0 (no calibration input reaches them:
+    GPTQ treats them as dead, AWQ's errors ignore them). Unchanged when g divides K."""
+    k = w2.shape[0]
+    extra = -k % g
+    if not extra:
+        return w2, h, x_mean
+    w2 = np.pad(w2, ((0, extra), (0, 0)), mode="edge")
+    h = None if h is None else np.pad(np.asarray(h), ((0, extra), (0, extra)))
+    x_mean = None if x_mean is None else np.pad(np.asarray(x_mean), (0, extra), mode="edge")
+    return w2, h, x_mean
 
 
 # ---- one layer ------------------------------------------------------------------------------
@@ -183,12 +217,14 @@ def _weight(w, n_in: int, spec: QuantSpec, stats: calibrate.InputStats | None,
     elif m in ("llm_int8", "smoothquant"):
         qa = quantize(jnp.asarray(w2.reshape(shape)), bits=8, group_size=w2.shape[0],
                       symmetric=True, n_in=n_in)
-    else:
+    else:  # (a short last group: padded for the quantisers, the padding dropped by from_codes)
         if m == "gptq":
-            grid = ptq.gptq(w2, stats.h, bits=spec.bits, group_size=spec.group_size,
+            wp, h, _ = _pad_inputs(w2, spec.group_size, stats.h)
+            grid = ptq.gptq(wp, h, bits=spec.bits, group_size=spec.group_size,
                             act_order=spec.act_order)
         elif m == "hqq":
-            grid = ptq.hqq(w2, bits=spec.bits, group_size=spec.group_size)
+            grid = ptq.hqq(_pad_inputs(w2, spec.group_size)[0], bits=spec.bits,
+                           group_size=spec.group_size)
         qa = from_codes(grid.codes, grid.scale, grid.offset, bits=spec.bits,
                         group_size=spec.group_size, shape=shape, n_in=n_in)
     qa = jax.tree.map(jnp.asarray, qa)
@@ -218,7 +254,7 @@ def _fold_channel_scales(layer, cfg: ModelConfig, spec: QuantSpec, stats):
                    ".ffn.w_up": (f.w_up, 1), ".ffn.w_down": (f.w_down, 1)}
         parts = [_as_2d(*weights[n]) for n in names]
         st = stats[names[0]]
-        gqa = cfg.n_heads // cfg.n_kv_heads if producer == "wv" else 1
+        gqa = a.wq.shape[1] // a.wv.shape[1] if producer == "wv" else 1  # this layer's
         s, grid = _site_scale(np.concatenate(parts, axis=1), st, spec, gqa, cfg.head_dim)
         cols = np.cumsum([0] + [p.shape[1] for p in parts])
         for n, c0, c1 in zip(names, cols[:-1], cols[1:]):
@@ -251,8 +287,10 @@ def _site_scale(w_cat: np.ndarray, st: calibrate.InputStats, spec: QuantSpec, gq
         s = np.maximum(x_max, 1e-5) ** spec.alpha / np.maximum(w_max, 1e-5) ** (1 - spec.alpha)
         return np.clip(s, 1e-5, 1e5).astype(np.float32), None
     x_mean = st.abs_mean if gqa == 1 else _group_heads(st.abs_mean, gqa, head_dim, np.mean)
-    s, grid = ptq.awq(w_cat, st.h, x_mean, bits=spec.bits, group_size=spec.group_size)
-    return np.asarray(s, np.float32), grid
+    k = w_cat.shape[0]
+    s, grid = ptq.awq(*_pad_inputs(w_cat, spec.group_size, st.h, x_mean), bits=spec.bits,
+                      group_size=spec.group_size)
+    return np.asarray(s, np.float32)[:k], grid
 
 
 def _fold(layer, producer: str, inv_s: np.ndarray, cfg: ModelConfig):
@@ -264,6 +302,30 @@ def _fold(layer, producer: str, inv_s: np.ndarray, cfg: ModelConfig):
     if producer == "w_up":  # [D, F]
         return dataclasses.replace(layer, ffn=dataclasses.replace(f, w_up=mul(f.w_up, inv_s)))
     # wv [D, K, H] and bv [K, H]: one scale per kv channel (the query heads of a group share it)
-    kv = inv_s.reshape(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)[:, 0]
+    kv = inv_s.reshape(a.wv.shape[1], -1, cfg.head_dim)[:, 0]  # (this layer's kv heads)
     bv = None if a.bv is None else mul(a.bv, kv)
     return dataclasses.replace(layer, mixer=dataclasses.replace(a, wv=mul(a.wv, kv), bv=bv))
+
+
+# ---- the weight transforms (`jaxdec.transforms`) --------------------------------------------
+_SUMMARIES = {
+    "rtn": "group-wise round-to-nearest weights",
+    "hqq": "half-quadratic zero-point fit of group-wise weights",
+    "gptq": "Hessian-based error feedback (GPTQ) weights",
+    "awq": "activation-aware channel scales (AWQ), group-wise weights",
+    "zeroquant": "group-wise weights, int8 per-token activations (ZeroQuant)",
+    "llm_int8": "int8 weights per output channel, int8 activations with float outliers",
+    "smoothquant": "W8A8 with activation scales migrated into the weights (SmoothQuant)",
+}
+
+
+def _register(method: str) -> None:
+    @transforms.register(method, needs_calib=METHODS[method][1], summary=_SUMMARIES[method])
+    def transform(params, cfg: ModelConfig, calib, *, progress=None, **options):
+        """`quantize_model` with QuantSpec(method=method, **options); cfg unchanged."""
+        spec = QuantSpec(method=method, **options)
+        return quantize_model(params, cfg, spec, calib=calib, progress=progress), cfg
+
+
+for _method in METHODS:
+    _register(_method)

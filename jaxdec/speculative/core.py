@@ -77,6 +77,10 @@ def check(cfg: ModelConfig, cache: dense.KVCache, drafter, prompt_width: int,
         raise JaxdecError("speculative decoding needs a cache it can roll back, and this "
                           "model has Mamba layers")
     width = draft_width(drafter)
+    margin = min((e.margin for e in cache.layers if hasattr(e, "margin")), default=width)
+    if width > margin + 1:
+        raise JaxdecError(f"a draft of {width} tokens overflows the sliding-window ring's margin "
+                          f"of {margin} (+1) it may roll back")
     if width > cache.capacity:
         raise JaxdecError(f"a draft of {width - 1} tokens (+1 verified) does not fit the "
                           f"cache's capacity of {cache.capacity} tokens")
@@ -198,14 +202,14 @@ def _start(tparams, dparams, cache, prompts, prompt_lens, rng, limits, *, sample
                      drafter=dstate)
     # the first token is the prefill's: emit it as a round that accepted no drafts
     fake = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.full((b, k), -1, jnp.int32)], 1)
-    p = _emit(p, fake, jnp.zeros(b, jnp.int32), first, limits, decode._stops(stop_ids))
+    p = _emit(p, fake, jnp.zeros(b, jnp.int32), first, limits, decode.stop_array(stop_ids))
     return dataclasses.replace(p, rounds=jnp.zeros(b, jnp.int32),
                                accepted=jnp.zeros(k + 1, jnp.int32)), cache
 
 
 def _advance(tparams, dparams, cache, p: SpecProgress, rng, limits, max_rounds, *, sampler,
              cfg, drafter, stop_ids):
-    stops = decode._stops(stop_ids)
+    stops = decode.stop_array(stop_ids)
     start = jnp.max(p.rounds)
 
     def cond(carry):

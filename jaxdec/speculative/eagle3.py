@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec import formats, layers
-from jaxdec.cache import dense
+from jaxdec.cache import dense, entry
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -365,8 +365,9 @@ class Eagle3:
         t = self.cfg.target
         extra = 0 if self.tree is None else (self.tree.depth - 1) * self.tree.top_k
         s = capacity + extra + 1
-        kv = dense.KVLayer(k=jnp.zeros((batch, t.n_kv_heads, s, t.head_dim), dtype),
-                           v=jnp.zeros((batch, t.n_kv_heads, t.head_dim, s), dtype))
+        kv = entry.KVLayer(k=jnp.zeros((batch, t.n_kv_heads, s, t.head_dim), dtype),
+                           v=jnp.zeros((batch, t.n_kv_heads, t.head_dim, s), dtype),
+                           pos=jnp.full((batch, s), -1, jnp.int32))
         z = jnp.zeros(batch, jnp.int32)
         return State(cache=dense.KVCache(layers=(kv,), lengths=z),
                      feats=jnp.zeros((batch, self.k + 1, t.d_model), dtype),
@@ -378,8 +379,6 @@ class Eagle3:
         `lengths` as they are."""
         net = params.net
         e = transformer.embed(params.embed, tokens)
-        if past is None:
-            past = dense.before(cache.lengths, positions, cache.n_slots)
         h, kv = layer(net, g.astype(act_dtype(net)), e, positions, cache.layers[0], past, self.cfg, tree)
         lengths = cache.lengths if tree is not None else dense.advance(cache.lengths, positions)
         return h, dense.KVCache(layers=(kv,), lengths=lengths)
@@ -462,6 +461,8 @@ class Eagle3:
             frontier, cache = self._expand(params, cache, frontier, level, active)
             cands.append((frontier.tok, frontier.score, frontier.parent))
         tokens, parents = _select(*map(partial(jnp.concatenate, axis=1), zip(*cands)), spec.budget)
+        tree_slots = cache.lengths[:, None] + jnp.arange(_tree_slots(spec))  # forgotten: they hold
+        cache = dataclasses.replace(cache, layers=(cache.layers[0].drop(tree_slots),))  # positions
         new = dataclasses.replace(state, cache=cache, count=jnp.zeros_like(state.count))
         return params.d2t[tokens], parents, _keep(active, new, state)
 

@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec import decode
-from jaxdec.api import pad_rows
+from jaxdec.batching import check_context, check_ids, pad_rows
 from jaxdec.cache import dense
-from jaxdec.checkpoint.tokenizer import _bytes_to_unicode
+from jaxdec.checkpoint.tokenizer import bytes_to_unicode
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -53,6 +53,17 @@ METHODS = ("tli", "slem")
 _BACK = 4  # drafter tokens re-tokenized behind the committed end each round
 _TARGET_BACK = 2  # committed target tokens in front of a SLEM draft's text
 _FEED = 4  # drafter tokens one draft call catches up on (more go through `_feed` first)
+
+@dataclasses.dataclass(frozen=True)
+class CrossVocab:
+    """A drafter model with another vocabulary (`jaxdec.speculative.hetero`): "tli" (token-level
+    intersection, lossless under sampling too) or "slem" (string-level exact match)."""
+
+    model: object
+    method: str = "tli"
+    k: int = 4
+
+
 
 # ---------------------------------------------------------------------------- vocabularies
 
@@ -132,7 +143,7 @@ def _piece(token: str, byte_level: bool) -> bytes | None:
 
 @functools.cache
 def _char_to_byte() -> dict[str, int]:
-    return {c: b for b, c in _bytes_to_unicode().items()}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 @functools.lru_cache(maxsize=8)
@@ -419,8 +430,6 @@ def _target_chunk(plan: _Plan, rows, drafts: np.ndarray):
 
 def _check(target_model, drafter_model, prompts, *, method, k, max_new_tokens, capacity):
     """Refuse bad input in one line -> the target cache's capacity."""
-    from jaxdec import api
-
     if method not in METHODS:
         raise JaxdecError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
     if not isinstance(k, (int, np.integer)) or k < 1:
@@ -429,13 +438,13 @@ def _check(target_model, drafter_model, prompts, *, method, k, max_new_tokens, c
         raise JaxdecError(f"max_new_tokens must be a positive integer (got {max_new_tokens})")
     if not prompts or min(map(len, prompts)) == 0:
         raise JaxdecError("every prompt needs at least one token id")
-    api._check_ids(prompts, target_model.cfg.vocab_size)
+    check_ids(prompts, target_model.cfg.vocab_size)
     for m in (target_model, drafter_model):
         if any(mixer == "mamba" for mixer, _ in m.cfg.kinds):
             raise JaxdecError("speculative decoding needs caches it can roll back: "
                               f"{m.cfg.name or 'a model'} has Mamba layers")
     longest = max(map(len, prompts))
-    api._check_context(target_model.cfg, longest, max_new_tokens + k + 1)
+    check_context(target_model.cfg, longest, max_new_tokens + k + 1)
     need = longest + max_new_tokens + k + 1
     if capacity is not None and need > capacity:
         raise JaxdecError(f"a draft of k={k} tokens (+1 verified) past a prompt of {longest} "

@@ -43,7 +43,8 @@ from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.speculative import small_model
-from jaxdec.train import losses, small
+from jaxdec.speculative import small_task as small
+from jaxdec.train import losses
 
 # ---------------------------------------------------------------------------- COD layout
 
@@ -270,6 +271,6 @@ def check_options(cfg: ModelConfig, *, k: int, r: float, r_min: float, loss: str
 
 
 def from_meta(meta: dict, params: small.SmallParams, target_model) -> Pard:
-    """The saved drafter for `target_model` (`jaxdec.speculative.store`'s rebuild function)."""
+    """The saved drafter for `target_model` (`jaxdec.train.store`'s rebuild function)."""
     cfg, full = small.restored(meta["n_layers"], params, target_model)
     return Pard(cfg=cfg, k=meta["k"], mask_id=meta["mask_id"], params=full)

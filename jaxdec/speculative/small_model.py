@@ -106,5 +106,6 @@ def truncated(cfg: ModelConfig, params, n_layers: int):
         from jaxdec.errors import JaxdecError
         raise JaxdecError(f"a truncated drafter keeps 1..{cfg.n_layers} layers (got {n_layers})")
     types = cfg.layer_types[:n_layers] if cfg.layer_types else cfg.layer_types
-    small = dataclasses.replace(cfg, n_layers=n_layers, layer_types=types)
+    small = dataclasses.replace(cfg, n_layers=n_layers, layer_types=types,
+                                layer_windows=cfg.layer_windows[:n_layers])
     return small, dataclasses.replace(params, layers=params.layers[:n_layers])

@@ -77,33 +77,17 @@ def accepted_path(tokens: jax.Array, parent, level, anc, best: jax.Array, depth:
     return n_acc, path, nxt
 
 
-def _move(entry, src, dst):
-    """Copy the cache slots `src` (i32[B, P]) of one layer's entry to `dst`."""
-    if isinstance(entry, dense.KVLayer):
-        k = jax.vmap(lambda buf, s: buf[:, s])(entry.k, src)  # [B, K, P, H]
-        v = jax.vmap(lambda buf, s: buf[:, :, s])(entry.v, src)  # [B, K, H, P]
-        put_k = jax.vmap(lambda buf, x, d: buf.at[:, d].set(x, mode="promise_in_bounds"))
-        put_v = jax.vmap(lambda buf, x, d: buf.at[:, :, d].set(x, mode="promise_in_bounds"))
-        return dense.KVLayer(k=put_k(entry.k, k, dst), v=put_v(entry.v, v, dst))
-    if isinstance(entry, dense.LatentLayer):
-        move = jax.vmap(lambda buf, s, d: buf.at[d].set(buf[s], mode="promise_in_bounds"))
-        return dense.LatentLayer(c=move(entry.c, src, dst), k_rope=move(entry.k_rope, src, dst))
-    return entry
-
-
-def compact(cache: dense.KVCache, base, path, active) -> dense.KVCache:
-    """Move the kept path's keys/values from their node slots to their positions' slots."""
-    scratch = cache.capacity
-    src = jnp.minimum(base[:, None] + path, scratch)
-    dst = jnp.where(active[:, None], jnp.minimum(base[:, None] + jnp.arange(path.shape[1]), scratch),
-                    scratch)
-    return dataclasses.replace(cache, layers=tuple(_move(e, src, dst) for e in cache.layers))
-
-
-def check_cache(cache: dense.KVCache) -> None:
-    for e in cache.layers:
-        if e is not None and not isinstance(e, (dense.KVLayer, dense.LatentLayer)):
-            raise JaxdecError(f"tree drafts run over the dense KV cache only (got {type(e).__name__})")
+def compact(cache: dense.KVCache, base, path, n_acc, active, n_nodes: int) -> dense.KVCache:
+    """Move the kept path's entries from their node slots to their positions' slots, and
+    forget the other nodes: the cache then holds exactly the accepted tokens, on every kind."""
+    steps = jnp.arange(path.shape[1])
+    keep = active[:, None] & (steps <= n_acc[:, None])
+    src = base[:, None] + path
+    dst = jnp.where(keep, base[:, None] + steps, -1)
+    nodes = jnp.arange(n_nodes)
+    stale = jnp.where(active[:, None] & (nodes > n_acc[:, None]), base[:, None] + nodes, -1)
+    move = lambda e: e if e is None else e.move(src, dst).drop(stale)
+    return dataclasses.replace(cache, layers=tuple(map(move, cache.layers)))
 
 
 def round(tparams, dparams, cache, p, key, limits, stops, *, cfg, drafter, emit):  # noqa: A001
@@ -121,7 +105,7 @@ def round(tparams, dparams, cache, p, key, limits, stops, *, cfg, drafter, emit)
                                                   taps=drafter.taps)
     best = jnp.argmax(transformer.logits_from_hidden(tparams, h), axis=-1).astype(jnp.int32)
     n_acc, path, nxt = accepted_path(nodes, parent, level, anc, best, depth)
-    cache = compact(cache, base, path, p.active)
+    cache = compact(cache, base, path, n_acc, p.active, nodes.shape[1])
     cache = dataclasses.replace(cache, lengths=jnp.where(p.active, base + n_acc + 1, base))
     chunk = jnp.take_along_axis(nodes, path, axis=1)
     path_feats = tuple(jnp.take_along_axis(f, path[:, :, None], axis=1) for f in feats)

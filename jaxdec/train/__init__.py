@@ -2,7 +2,7 @@
 
     model = jaxdec.load("smollm2")
     result = distill(model, "small", "runs/small", TrainConfig(steps=300), n_prompts=256)
-    drafter = jaxdec.speculative.store.load_drafter(result.drafter_path, model)
+    drafter = jaxdec.train.store.load_drafter(result.drafter_path, model)
 
 A Task (a frozen dataclass, one per drafter kind) says what trains and how:
     name: str; taps: tuple[int, ...]        the target taps its batches must carry
@@ -10,7 +10,7 @@ A Task (a frozen dataclass, one per drafter kind) says what trains and how:
     frozen(target_model) -> pytree          frozen target arrays the loss reads
     loss(params, frozen, batch, rng) -> (scalar loss, dict of scalar metrics)
     drafter(params) -> a Drafter with params attached
-    meta() -> dict                          JSON-able; `jaxdec.speculative.store` rebuilds from it
+    meta() -> dict                          JSON-able; `jaxdec.train.store` rebuilds from it
     for_target(target_model, dataset, **opts) (classmethod) -> the task
 and may offer `taps_for(target_cfg)` (a classmethod; or `default_taps(n_layers)` in its
 module): the taps its data needs, known before the data is made. Batches: see `jaxdec.train.data`; the loop: `jaxdec.train.loop`.
@@ -29,7 +29,7 @@ from jaxdec.train.data import (Dataset, concat, heldout_prompts, make_dataset, p
 from jaxdec.train.loop import TrainConfig, TrainResult, make_evaluator, make_train_step, train
 
 TASKS = {
-    "small": "jaxdec.train.small:SmallDistill",
+    "small": "jaxdec.speculative.small_task:SmallDistill",
     "eagle3": "jaxdec.speculative.eagle3:Eagle3Task",
     "pard": "jaxdec.speculative.pard:PardTask",
 }
@@ -37,7 +37,7 @@ TASKS = {
 
 def task_class(kind: str):
     """The Task class of drafter `kind`, imported when first asked for."""
-    from jaxdec.speculative.store import registered
+    from jaxdec.train.store import registered
 
     return registered(TASKS, kind, "drafter kind")
 

@@ -291,7 +291,7 @@ def _generate(model, prompts, meta: dict) -> Dataset:
     with idle rows, so every batch runs the same compiled programs)."""
     from tqdm import tqdm
 
-    from jaxdec.api import pad_rows
+    from jaxdec.batching import pad_rows
 
     b, taps = meta["batch"], tuple(meta["taps"])
     width = max(len(p) for p in prompts)
@@ -318,7 +318,7 @@ def _generate(model, prompts, meta: dict) -> Dataset:
 def _continue(model, rows, n_real: int, width: int, meta: dict, index: int):
     """Generate for one batch -> (tokens i32[B, width + n_new], positions, mask)."""
     from jaxdec import decode
-    from jaxdec.api import pad_rows
+    from jaxdec.batching import pad_rows
     from jaxdec.cache import dense
     from jaxdec.sampling import make_sampler
 

@@ -25,7 +25,7 @@ saved as a drafter in `out_dir/best` (their step and values in its drafter.json,
 takes the best so far from there.
 
 `train(..., init_from=DIR)` warm-starts a fresh run from the params of a drafter saved in
-DIR (the same kind, shapes and vocabulary map; `jaxdec.speculative.store.load_params`), with a
+DIR (the same kind, shapes and vocabulary map; `jaxdec.train.store.load_params`), with a
 new optimiser state and schedule: to train a drafter further, or on other data. The run
 records DIR, and resuming it continues from its own checkpoints.
 """
@@ -230,7 +230,7 @@ def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, val=None,
     with os._exit right after step `stop_after`'s checkpoint."""
     from tqdm import tqdm
 
-    from jaxdec.speculative import store
+    from jaxdec.train import store
 
     out = pathlib.Path(out_dir).absolute()
     init_from = None if init_from is None else pathlib.Path(init_from).absolute()
@@ -283,7 +283,7 @@ def train(task, target_model, dataset, cfg: TrainConfig, out_dir, *, val=None,
 
 def _best_so_far(path: pathlib.Path) -> dict | None:
     """The "val" record of the best drafter a run already saved (a resumed run), or None."""
-    from jaxdec.speculative import store
+    from jaxdec.train import store
 
     return store.read_meta(path).get("val") if (path / store.META).is_file() else None
 
@@ -296,7 +296,7 @@ def _log_line(step: int, metrics, lr: float, seconds: float) -> dict:
 
 def _run_record(task, target_model, dataset, cfg: TrainConfig, val=None,
                 init_from: pathlib.Path | None = None) -> dict:
-    from jaxdec.speculative import store
+    from jaxdec.train import store
 
     record = {"task": task.meta(), "target": store.target_info(target_model),
               "data": dataset.meta, "train": dataclasses.asdict(cfg)}

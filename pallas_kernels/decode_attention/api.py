@@ -3,7 +3,7 @@
     out = decode_attention(q, k, v, lengths, implementation="pallas", interpret=False)
 
 q: [B, N, H]; k: [B, K, S, H]; v: [B, K, S, H] (v_layout="sh") or [B, K, H, S] ("hs",
-the layout of `jaxdec.cache.dense.KVLayer.v`); lengths: i32[B], row b sees slots
+the layout of `jaxdec.cache.entry.KVLayer.v`); lengths: i32[B], row b sees slots
 [0, lengths[b]) (lengths outside [0, S] are clamped). Returns [B, N, H] in q's dtype, and
 with `return_lse` also the float32 log-sum-exp of each head's scores [B, N] (-inf for an
 empty row), with which partial attentions over disjoint keys merge (`common.merge`).

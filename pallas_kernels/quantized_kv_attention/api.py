@@ -3,7 +3,7 @@ the kernel, so that HBM moves only the compressed bytes.
 
     out = quantized_kv_attention(q, k, v, lengths, implementation="pallas", interpret=False)
 
-q: [B, N, H]; k, v: `jaxdec.cache.quantized.QuantKV` of logical shape [B, K, S, H], each in
+q: [B, N, H]; k, v: `jaxdec.formats.kvquant.QuantKV` of logical shape [B, K, S, H], each in
 its own format (int8 or packed int4; scales per token, per group of channels or per
 channel), e.g. keys per channel and values per token; lengths: i32[B], row b sees slots
 [0, lengths[b]) (lengths outside [0, S] are clamped). Returns [B, N, H] in q's dtype, and
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec.cache.quantized import QuantKV, validate_kv
+from jaxdec.formats.kvquant import QuantKV, validate_kv
 from jaxdec.errors import JaxdecError
 from pallas_kernels import common
 from pallas_kernels.quantized_kv_attention import gpu, reference, tpu

@@ -8,7 +8,7 @@ slots [0, lengths[b]). Returns (out f32[B, N, H], lse f32[B, N]); a row of lengt
 
 from __future__ import annotations
 
-from jaxdec.cache.quantized import QuantKV, dequantize_kv
+from jaxdec.formats.kvquant import QuantKV, dequantize_kv
 from pallas_kernels.decode_attention import reference
 
 

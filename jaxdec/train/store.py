@@ -33,7 +33,7 @@ from jaxdec.errors import JaxdecError
 FORMAT = "jaxdec-drafter-1"
 META = "drafter.json"
 KINDS = {
-    "small": "jaxdec.train.small:from_meta",
+    "small": "jaxdec.speculative.small_task:from_meta",
     "eagle3": "jaxdec.speculative.eagle3:from_meta",
     "pard": "jaxdec.speculative.pard:from_meta",
 }
@@ -212,8 +212,8 @@ def _dtype(name: str):
 
 # Modules that moved since drafters were first saved: old prefix -> new. A drafter saved
 # before the move names its classes by the old paths and still loads.
-RENAMED = {"jaxdec.spec": "jaxdec.speculative", "jaxdec.quant.qarray": "jaxdec.formats.qarray",
-           "jaxdec.quant.dfloat11": "jaxdec.formats.dfloat11",
+RENAMED = {"jaxdec.spec": "jaxdec.speculative", "jaxdec.train.small": "jaxdec.speculative.small_task",
+           "jaxdec.quant.qarray": "jaxdec.formats.qarray", "jaxdec.quant.dfloat11": "jaxdec.formats.dfloat11",
            "jaxdec.quant.actquant": "jaxdec.formats.actquant"}
 
 

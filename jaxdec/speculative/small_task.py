@@ -140,6 +140,6 @@ class SmallDistill:
 
 
 def from_meta(meta: dict, params: SmallParams, target_model) -> small_model.SmallModel:
-    """The saved drafter for `target_model` (`jaxdec.speculative.store`'s rebuild function)."""
+    """The saved drafter for `target_model` (`jaxdec.train.store`'s rebuild function)."""
     cfg, full = restored(meta["layers"], params, target_model)
     return small_model.SmallModel(cfg=cfg, k=meta["k"], params=full)
