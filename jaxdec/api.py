@@ -81,9 +81,9 @@ def load(source: str | pathlib.Path = "smollm2", *, dtype="float32", weights: st
     """Load a model (see `_load`); `active_experts` runs a MoE model with that many experts
     per token instead of the number it was trained with (`with_active_experts`).
 
-    `attention_impl` ("xla" | "pallas") is how decode steps attend, and `kv_cache`
-    ("dense" | "paged" | "int8" | "int4") what the attention layers' cache keeps
-    (`jaxdec.cache.dense`; the Pallas kernels run in interpret mode on the CPU).
+    `attention_impl` ("xla" | "pallas") is how decode steps attend, and `kv_cache` what
+    the attention layers' cache keeps: a kind of `jaxdec.cache.registry` ("dense", "paged",
+    "int8", "int4", "window"; the Pallas kernels run in interpret mode on the CPU).
 
     `mesh` (a `jax.sharding.Mesh` or a spec such as "data=2,model=4", see
     `jaxdec.sharding`) lays the model out over devices: each parameter is read and only its

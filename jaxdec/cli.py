@@ -44,9 +44,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-impl", default="xla", choices=["xla", "pallas"],
                    help="how decode steps attend: XLA, or the Pallas kernels (interpret "
                         "mode on the CPU: slow, for checking)")
-    p.add_argument("--kv-cache", default="dense", choices=["dense", "paged", "int8", "int4", "window"],
-                   help="the KV cache of attention layers: dense, paged (pages of 32 tokens), "
-                        "int8 or int4 (group-wise quantised, 32 channels per scale)")
+    p.add_argument("--kv-cache", default="dense", metavar="KIND",
+                   help="the KV cache kind of attention layers, one of those registered in "
+                        "jaxdec.cache.registry: dense, paged (pages of 32 tokens), int8 or "
+                        "int4 (group-wise quantised, 32 channels per scale), window (Gemma 3's "
+                        "sliding-window layers in a ring)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

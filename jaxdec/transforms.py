@@ -9,18 +9,18 @@ transformed model's out. The config comes back too because some transforms chang
 quantize`, the quality table and the MoEfication script all go through `apply`.
 
 A module defining transforms registers them with `@register(name, needs_calib=...,
-summary=...)` and is named in `_PROVIDERS`, which the registry imports on its first lookup
-(so this module imports nothing heavy, and the providers import it, not the reverse).
+summary=...)` and is named in `_PROVIDERS`, which the registry (`jaxdec.plugins.Registry`)
+imports on its first lookup.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from jaxdec.errors import JaxdecError
+from jaxdec.plugins import Registry
 
 # fn(params, cfg, calib, **options) -> (params, cfg)
 Transform = Callable[..., tuple[Any, Any]]
@@ -39,40 +39,25 @@ class Entry:
     summary: str
 
 
-_REGISTRY: dict[str, Entry] = {}
-_loaded = False
+_REGISTRY: Registry[Entry] = Registry("weight transform", _PROVIDERS)
 
 
 def register(name: str, *, needs_calib: bool, summary: str):
     """Decorator: register `fn` under `name` (returned unchanged)."""
     def add(fn: Transform) -> Transform:
-        if name in _REGISTRY:
-            raise ValueError(f"transform {name!r} is registered twice")
-        _REGISTRY[name] = Entry(name=name, fn=fn, needs_calib=needs_calib, summary=summary)
+        _REGISTRY.add(name, Entry(name=name, fn=fn, needs_calib=needs_calib, summary=summary))
         return fn
     return add
 
 
-def _load_providers() -> None:
-    global _loaded
-    if not _loaded:
-        for module in _PROVIDERS:
-            importlib.import_module(module)
-        _loaded = True
-
-
 def names() -> tuple[str, ...]:
     """Every registered transform's name, in registration order."""
-    _load_providers()
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Entry:
     """The transform `name`; an unknown name raises a one-line JaxdecError."""
-    _load_providers()
-    if name not in _REGISTRY:
-        raise JaxdecError(f"unknown weight transform {name!r} (one of {', '.join(_REGISTRY)})")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def apply(name: str, params, cfg, calib=None, **options):

@@ -107,4 +107,5 @@ def test_cli_flags():
     ours = api.generate(jax_model("smollm2"), PROMPTS[0], max_new_tokens=6)
     assert r.stdout.strip() == ours.texts[0].strip()
     r = run("generate", "--prompt", "hi", "--kv-cache", "int3")
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid choice" in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "jaxdec: error: unknown KV cache kind 'int3' (one of dense, paged, int8, int4, window)"

@@ -19,7 +19,7 @@ from conftest import assert_one_line_error
 from tiny_hf import VOCAB, build
 
 from jaxdec import api, decode
-from jaxdec.cache import dense, entry, paged, window
+from jaxdec.cache import dense, entry, paged, registry, window
 from jaxdec.config import MambaConfig, ModelConfig
 from jaxdec.models import transformer
 from jaxdec.sampling import Greedy
@@ -136,7 +136,7 @@ def test_reset_rows_reuses_a_row(tiny, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_move_and_drop_against_a_numpy_model_of_slots(kind):
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64, d_ff=32)
-    e = dense.init_cache(cfg, 2, 32, kind=kind, page_size=8).layers[0]
+    e = dense.init_cache(cfg, 2, 32, kind=kind, **(dict(page_size=8) if kind == "paged" else {})).layers[0]
     rng = np.random.default_rng()
     k = jnp.asarray(rng.standard_normal((2, 10, 1, 64)), jnp.float32)
     slots = jnp.asarray(np.stack([np.arange(10), np.arange(3, 13)]), jnp.int32)
@@ -224,3 +224,34 @@ def test_bad_kinds_are_one_line_errors(tiny):
     assert all(type(e) is entry.KVLayer for e in dense.init_cache(wcfg, 1, 32, kind="window").layers)
     assert any(type(e) is window.RingKVLayer for e in dense.init_cache(wcfg, 1, 256, kind="window").layers)
     assert_one_line_error(dense.init_cache, cfg, 1, 32, kind="fp8", match="unknown KV cache kind")
+    assert_one_line_error(dense.init_cache, cfg, 1, 32, kind="int8", page_size=16, match="takes no options")
+    assert_one_line_error(dense.init_cache, cfg, 1, 32, kind="paged", margin=4, match="not margin")
+    odd = dataclasses.replace(cfg, head_dim=30)
+    assert_one_line_error(dense.init_cache, odd, 1, 32, kind="int4", match="cannot group heads of 30")
+    assert_one_line_error(dense.init_cache, mamba, 1, 32, kind="int8", match="Mamba layer")
+
+
+def test_a_new_kind_is_one_registration(tiny):
+    """A kind registered from outside the library (here, a dense entry that counts its
+    makes) is a choice of init_cache and jaxdec.load's check, with no other change."""
+    made = []
+
+    @registry.register("counting", summary="dense, counted")
+    def make(cfg, layer, batch, max_len, dtype):
+        made.append(layer)
+        shapes = entry.KVLayer.shapes(batch, cfg.kv_heads(layer), cfg.head_dim, max_len + 1, dtype)
+        return entry.KVLayer(**{f: jnp.full(shape, -1 if dt == np.int32 else 0, dt)  # pos -1: empty
+                                for f, (shape, dt) in shapes.items()})
+
+    try:
+        assert "counting" in registry.names()
+        cfg, params = tiny
+        dense.check("counting", "xla", cfg)
+        lens = [6, 11]
+        _, prompts = _prompts(lens)
+        want, _ = _generate(cfg, params, prompts, lens, 8)
+        got, _ = _generate(cfg, params, prompts, lens, 8, "counting")
+        assert made == list(range(cfg.n_layers))
+        np.testing.assert_array_equal(got, want)
+    finally:
+        registry.unregister("counting")

@@ -24,6 +24,7 @@ from jaxdec.config import MambaConfig, MLAConfig, ModelConfig, MoEConfig, RopeSc
 from jaxdec.checkpoint import hf_layout  # noqa: E402
 from jaxdec.formats import QArray, dequantize, dfloat11  # noqa: E402
 from jaxdec.models import moe, transformer  # noqa: E402
+from jaxdec.ops import cpu_kernel  # noqa: E402
 from jaxdec.pytree import is_spec  # noqa: E402
 
 import tiny_families as tf  # noqa: E402
@@ -209,12 +210,14 @@ def test_quantized_weights_stay_within_the_formats_error_of_hf(name, weights, tm
     ours = jaxdec.score(model, tokens)
     line = _format_error(ours, tf.hf_logits(hf, tokens), weights)
     stored = _hf_on_stored_weights(model, name, tmp_path / "stored")
-    # 2 x 7 = 14 rows: below the CPU kernel's AMX path (16 rows on, x rounded to bf16
-    # there, `cpu_kernel.has_amx`), so the products are float32 ones on every CPU
+    # 2 x 7 = 14 rows: below the CPU kernel's AMX path for the dense projections (16 rows
+    # on, x rounded to bf16 there, `cpu_kernel.has_amx`); the MLA and expert products of a
+    # CPU with AMX still reach it (5e-3 to 3.4e-2 there), so the bound is bf16's
+    # rounding of x there and float32's elsewhere
     short = tokens[:, :7]
     exact = rel_err(jaxdec.score(model, short), tf.hf_logits(stored, short))
     print(f"{name} {weights}: {line}; {exact:.1e} against HF on the stored weights")
-    assert exact < 1e-5, exact
+    assert exact < (5e-2 if cpu_kernel.has_amx() else 1e-5), exact
     prompt = rng.integers(0, tf.VOCAB, (2, 6))
     out = api.generate_ids(model, prompt.tolist(), max_new_tokens=4, stop_ids=())
     np.testing.assert_array_equal(np.array(out.token_ids), tf.hf_greedy(stored, prompt, 4))

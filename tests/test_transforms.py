@@ -108,7 +108,7 @@ def test_missing_calibration_is_one_line_error(name):
 
 
 def test_register_adds_a_transform(monkeypatch):
-    monkeypatch.setattr(transforms, "_REGISTRY", dict(transforms._REGISTRY))
+    monkeypatch.setattr(transforms._REGISTRY, "entries", dict(transforms._REGISTRY.entries))
 
     @transforms.register("identity", needs_calib=False, summary="the model unchanged")
     def identity(params, cfg, calib):

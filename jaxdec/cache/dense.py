@@ -9,9 +9,11 @@
                                        layers, and windowed ones whose ring would not be
                                        smaller than the cache, keep dense entries)
 
-An MLA layer keeps `entry.LatentLayer` and a Mamba layer `entry.StateLayer`, whatever the
-kind: asking a model with such layers for another kind is an error, as is the window kind
-on a model without windowed layers. Every entry implements the interface of
+Each kind is one file that registers how to make its entries (`jaxdec.cache.registry`);
+`--kv-cache` and `jaxdec.load(kv_cache=...)` choose among the registered names. An MLA
+layer keeps `entry.LatentLayer` and a Mamba layer `entry.StateLayer`, whatever the kind:
+asking a model with such layers for another kind is an error, as is a kind whose own
+check (`Kind.fits`) refuses the model. Every entry implements the interface of
 `jaxdec.cache.entry`; `lengths[b]` counts the tokens of row b (its next position).
 """
 
@@ -27,13 +29,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxdec import sharding
-from jaxdec.cache import paged, quantized, window
+from jaxdec.cache import paged, quantized, registry, window
 from jaxdec.cache.entry import KVLayer, LatentLayer, Slotted, StateLayer
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.pytree import LogicalRules
 
-KINDS = ("dense", "paged", "int8", "int4", "window")
 IMPLS = ("xla", "pallas")
 Entry = KVLayer | LatentLayer | StateLayer | paged.PagedKVLayer | quantized.QuantKVLayer
 
@@ -65,15 +66,22 @@ class KVCache:
         return KVCache(layers=tuple(e if e is None else e.reset_rows(rows) for e in self.layers),
                        lengths=jnp.where(rows, 0, self.lengths))
 
+    def with_pages(self, table, held=None) -> "KVCache":
+        """The cache reading every layer's pages through `table` (i32[B, pages_per_row], from
+        a `paged.PageAllocator`); rows with held[b] > 0 hold their first held[b] tokens in
+        pages shared from another row (`PagedKVLayer.with_table`) and continue from there."""
+        layers = tuple(e if e is None else e.with_table(table, held) for e in self.layers)
+        lengths = self.lengths if held is None else jnp.maximum(self.lengths, jnp.asarray(held, jnp.int32))
+        return KVCache(layers=layers, lengths=lengths)
+
     def bytes(self) -> int:
         return sum(e.bytes() for e in self.layers if e is not None) + self.lengths.nbytes
 
 
 def check(kind: str, impl: str, cfg: ModelConfig | None = None) -> None:
-    """A one-line error unless `kind` and `impl` exist and (given `cfg`) the model can take
-    the kind."""
-    if kind not in KINDS:
-        raise JaxdecError(f"unknown KV cache kind {kind!r} (one of {', '.join(KINDS)})")
+    """A one-line error unless `kind` is a registered kind and `impl` exists and (given
+    `cfg`) the model can take the kind."""
+    spec = registry.get(kind)
     if impl not in IMPLS:
         raise JaxdecError(f"unknown attention implementation {impl!r} (one of {', '.join(IMPLS)})")
     if cfg is None or kind == "dense":
@@ -84,8 +92,8 @@ def check(kind: str, impl: str, cfg: ModelConfig | None = None) -> None:
                 "a Mamba layer keeps a fixed-size state"
             raise JaxdecError(f"the {kind} KV cache does not apply to layer {i}: {what} "
                               "(use the dense kind)")
-    if kind == "window" and not any(cfg.window(i) for i in range(cfg.n_layers)):
-        raise JaxdecError("the window KV cache needs a model with sliding-window layers")
+    if spec.fits is not None:
+        spec.fits(cfg)
 
 
 def entry_shapes(cfg: ModelConfig, i: int, batch: int, max_len: int, dtype):
@@ -115,8 +123,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
     """An empty cache for `batch` rows of up to `max_len` tokens, one entry per layer;
     laid out by `shardings` (`cache_shardings`) when given, each device
     allocating only its own shard. `kind` picks the attention layers' entries (module
-    docstring); `options` go to them (paged: page_size, pool_pages, fill, seed; window:
-    margin)."""
+    docstring); `options` go to its maker (`registry.Kind.options`; paged: page_size,
+    pool_pages, fill, seed; window: margin)."""
     check(kind, "xla", cfg)
     if kind != "dense" and shardings is not None:
         raise JaxdecError(f"a {kind} KV cache is not laid out on a mesh yet: use the dense one")
@@ -131,17 +139,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
         return jax.make_array_from_callback(
             shape, sharding, lambda idx: np.full(sharding.shard_shape(shape), fill, dt))
 
-    h = cfg.head_dim
-
     def entry(i, mixer):
-        kh = cfg.kv_heads(i)  # per layer (a pruned model's layers differ)
-        if mixer == "attention" and kind == "paged":
-            return paged.empty(batch, kh, h, max_len, dtype, **options)
-        if mixer == "attention" and kind in ("int8", "int4"):
-            return quantized.QuantKVLayer.empty(kind, batch, kh, h, max_len + 1, dtype)
-        if mixer == "attention" and kind == "window" and cfg.window(i) and \
-                window.RingKVLayer.wraps(cfg.window(i), max_len, options.get("margin", window.MARGIN)):
-            return window.RingKVLayer.empty(batch, kh, h, cfg.window(i), max_len, dtype, **options)
+        made = None if mixer != "attention" else registry.make(kind, cfg, i, batch, max_len, dtype, **options)
+        if made is not None:
+            return made
         cls, fields = entry_shapes(cfg, i, batch, max_len, dtype)
         where = shardings.layers[i] if shardings is not None else None
         return None if cls is None else cls(**{

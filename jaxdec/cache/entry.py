@@ -41,6 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec import layers
+from jaxdec.cache import registry
+from jaxdec.ops import cpu_kernel
+from jaxdec.errors import JaxdecError
 from jaxdec.formats.kvquant import put_rows, take_rows
 
 
@@ -115,6 +118,11 @@ class Slotted:
         """The entry with the rows marked in `rows` (bool[B]) emptied."""
         return dataclasses.replace(self, pos=jnp.where(rows[:, None], -1, self.pos))
 
+    def with_table(self, table, held=None):
+        """A paged kind's entry reading through page table `table` (`paged.PagedKVLayer`)."""
+        raise JaxdecError(f"a {type(self).__name__} cache entry has no page table: pages are "
+                          "handed out only in the paged kind")
+
     def visible(self, q_pos: jax.Array, window: int | None = None) -> jax.Array:
         """bool[B, T, S + 1]: the slots each query (at q_pos i32[B, T]) sees."""
         q, k = q_pos[:, :, None], self.pos[:, None, :]
@@ -136,6 +144,41 @@ class Slotted:
         at = self.where(slots, positions)
         own = (at[:, :, None] == jnp.arange(self.n_slots)) & (at[:, :, None] < self.capacity)
         return past | jnp.any(mask[:, :, :, None] & own[:, None], axis=2)
+
+    def attend_chunk(self, q, k, v, positions, mask, slots, *, past=None, tree: bool = False,
+                     impl: str = "xla", window: int | None = None):
+        """A chunk's attention -> (out [B, T, N, H], the entry with the chunk written): the
+        one path of a prompt, a verification chunk, a tree and a decode step, on every kind.
+
+        q [B, T, N, H], k and v [B, T, K, H] at `positions` (i32[B, T]); `mask` (bool[B, T,
+        T]) which chunk tokens each query sees, `slots` where the chunk is written; `past`
+        (bool[B, T, S + 1]) overrides which of the entry's slots it sees. The chunk is
+        stored, then attended over as stored: a decode step through the kind's decode op
+        (`attend`); a quantised kind's every chunk (a prompt sees its own keys as stored,
+        as its decode steps and drafts will) and any kind's short chunk that the entry
+        holds whole (`holds_chunk`: a window ring, at most margin + 1 tokens) through the
+        entry's view. Each query's sums run over its keys in slot order, as stored,
+        whatever the chunk's length, so a draft's verification computes every row bit for
+        bit as the decode step of that token would: greedy speculation is token-identical
+        to plain decoding on every kind. A long chunk on a lossless kind (a prompt), or one
+        longer than a ring's margin, attends to the entry as it was and to its own keys,
+        which are the values the entry then holds."""
+        t = q.shape[1]
+        if t == 1 and not tree and past is None:
+            kv = self.write(k, v, slots, positions)
+            return kv.attend(q[:, 0], positions[:, 0], impl, window)[:, None], kv
+        if self.writes_first or (cpu_kernel.attends(t, q.dtype) and self.holds_chunk(t)):
+            kv = self.write(k, v, slots, positions)
+            if not tree and past is None:
+                seen = kv.visible(positions, window)
+            else:
+                seen = kv.with_chunk(kv.before(positions, window) if past is None else past,
+                                     slots, positions, mask)
+            return layers.attention(q, (*kv.view(q.dtype), seen)), kv
+        seen = self.before(positions, window) if past is None else past
+        out = layers.attention(q, (*self.view(q.dtype), seen),
+                               (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask))
+        return out, self.write(k, v, slots, positions)
 
     def attend(self, q, q_pos, impl: str, window: int | None = None):
         """One query per row, q [B, N, H] at q_pos i32[B], over the entry -> [B, N, H]:
@@ -184,6 +227,11 @@ class KVLayer(Slotted):
         return decode_attention(q, self.k, self.v, lengths, v_layout="hs", **pallas_run())
 
 
+@registry.register("dense", summary="keys and values in the activation dtype, a slot per position")
+def _dense(cfg, layer, batch, max_len, dtype):
+    return None  # every layer keeps the dense entry (`dense.init_cache` lays them out)
+
+
 def pallas_run() -> dict:
     return dict(implementation="pallas", interpret=jax.default_backend() == "cpu")
 
@@ -228,6 +276,9 @@ class StateLayer:
         return cls(conv_x=("batch", None, "mamba_heads", None),
                    conv_bc=("batch", None, None, "mamba_groups", None),
                    ssm=("batch", "mamba_heads", None, None))
+
+    def with_table(self, table, held=None):
+        raise JaxdecError("a Mamba layer keeps a fixed-size state: it has no pages")
 
     def reset_rows(self, rows: jax.Array):
         clear = lambda x: jnp.where(rows.reshape(-1, *([1] * (x.ndim - 1))), jnp.zeros_like(x), x)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec.cache import entry
+from jaxdec.cache import entry, registry
 from jaxdec.errors import JaxdecError
 from jaxdec.formats.kvquant import put_rows, take_rows
 
@@ -96,14 +96,26 @@ class PagedKVLayer(entry.Slotted):
         return paged_attention(q, self.k_pages, self.v_pages, self.page_table, lengths,
                                **entry.pallas_run())
 
-    def with_table(self, table) -> "PagedKVLayer":
+    def with_table(self, table, held=None) -> "PagedKVLayer":
         """The entry reading through `table` (i32[B, pages_per_row]; the scratch page for a
-        logical page a row was not given)."""
+        logical page a row was not given). `held` (i32[B], optional) marks each row's first
+        held[b] slots as holding positions 0..held[b] - 1 without writing them: the pages
+        of a prefix another row filled (`PageAllocator.share`); 0 leaves a row as it is."""
         table = jnp.asarray(table, jnp.int32)
         if table.shape != self.page_table.shape:
             raise JaxdecError(f"a page table of shape {tuple(table.shape)} does not fit this "
                               f"cache's {tuple(self.page_table.shape)}")
-        return dataclasses.replace(self, page_table=table)
+        pos = self.pos
+        if held is not None:
+            slots = jnp.arange(self.n_slots, dtype=jnp.int32)[None]
+            pos = jnp.where(slots < jnp.asarray(held, jnp.int32)[:, None], slots, pos)
+        return dataclasses.replace(self, page_table=table, pos=pos)
+
+
+@registry.register("paged", summary=f"pages of {PAGE_SIZE} tokens in a pool, through a page table",
+                   options=("page_size", "pool_pages", "fill", "seed"))
+def _make(cfg, layer, batch, max_len, dtype, **options):
+    return empty(batch, cfg.kv_heads(layer), cfg.head_dim, max_len, dtype, **options)
 
 
 def empty(batch: int, k_heads: int, head_dim: int, max_len: int, dtype, page_size: int = PAGE_SIZE,

@@ -9,7 +9,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxdec.cache import entry
+from jaxdec.cache import entry, registry
+from jaxdec.errors import JaxdecError
 from jaxdec.formats.kvquant import QuantKV, dequantize_kv, empty_kv, put_rows, take_rows, write_kv
 
 
@@ -66,3 +67,23 @@ class QuantKVLayer(entry.Slotted):
     def kernel(self, q, lengths):
         from pallas_kernels.quantized_kv_attention import quantized_kv_attention
         return quantized_kv_attention(q, self.k, self.v, lengths, **entry.pallas_run())
+
+
+def _fits(kind: str):
+    def fits(cfg) -> None:
+        fmt = kind_format(kind, cfg.head_dim)
+        if cfg.head_dim % 2 or cfg.head_dim % fmt["group_size"] or (kind == "int4" and fmt["group_size"] % 2):
+            raise JaxdecError(f"the {kind} KV cache cannot group heads of {cfg.head_dim} channels "
+                              f"(groups of {GROUP}, or half a head, and an even head size)")
+    return fits
+
+
+def _register(kind: str, what: str):
+    @registry.register(kind, summary=f"{what} codes + a scale per token and group of {GROUP} channels",
+                       fits=_fits(kind))
+    def make(cfg, layer, batch, max_len, dtype):
+        return QuantKVLayer.empty(kind, batch, cfg.kv_heads(layer), cfg.head_dim, max_len + 1, dtype)
+
+
+_register("int8", "int8")
+_register("int4", "4-bit (two per byte)")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec.cache import entry
+from jaxdec.cache import entry, registry
 from jaxdec.errors import JaxdecError
 
 MARGIN = 64  # tokens past the window a ring holds: the longest chunk written before attending
@@ -71,3 +71,17 @@ class RingKVLayer(entry.KVLayer):
         last = jnp.max(jnp.where(positions >= 0, slots, -1), axis=1, keepdims=True)
         ok = (positions >= 0) & (slots >= 0) & (slots > last - ring)
         return jnp.where(ok, slots % ring, ring)
+
+
+def _fits(cfg) -> None:
+    if not any(cfg.window(i) for i in range(cfg.n_layers)):
+        raise JaxdecError("the window KV cache needs a model with sliding-window layers")
+
+
+@registry.register("window", summary="a sliding-window layer's last keys in a ring (others dense)",
+                   options=("margin",), fits=_fits)
+def _make(cfg, layer, batch, max_len, dtype, margin: int = MARGIN):
+    w = cfg.window(layer)
+    if not w or not RingKVLayer.wraps(w, max_len, margin):
+        return None  # a global layer, or a ring no smaller than the cache: the dense entry
+    return RingKVLayer.empty(batch, cfg.kv_heads(layer), cfg.head_dim, w, max_len, dtype, margin=margin)

@@ -25,7 +25,6 @@ from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import mamba, mla, moe
 from jaxdec.pytree import ParamSpec
-from jaxdec.ops import cpu_kernel
 from jaxdec.formats import dfloat11
 
 
@@ -231,34 +230,11 @@ def attention_block(x, p: Attention, positions, kv, past, cfg: ModelConfig,
     with jax.named_scope("attention"):
         q, k, v = project_qkv(x, p, positions, cfg, window=window)  # (Gemma 3's local RoPE)
         mask, slots = (entry.chunk_mask(positions, window), positions) if tree is None else tree
-        t = q.shape[1]
         if kv is None:  # attend within the chunk only
             out = layers.attention(q, (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask))
-        elif t == 1 and tree is None and past is None:  # a decode step: the kind's decode op
-            kv = kv.write(k, v, slots, positions)
-            out = kv.attend(q[:, 0], positions[:, 0], cfg.attention_impl, window)[:, None]
-        elif kv.writes_first or (cpu_kernel.attends(t, q.dtype) and kv.holds_chunk(t)):
-            # write, then attend over the entry alone: a quantised kind's every chunk (a
-            # prompt sees its own keys as stored, as its decode steps and drafts will), any
-            # kind's short chunk (a draft, a tree) that the entry holds whole (in a window's
-            # ring, at most margin + 1 tokens: `holds_chunk`). Each query's sums run over its
-            # keys in slot order, as stored, whatever the chunk's length, so a draft's
-            # verification computes every row bit for bit as the decode step of that token
-            # would (greedy speculation is token-identical to plain decoding on every kind)
-            kv = kv.write(k, v, slots, positions)
-            if tree is None and past is None:
-                seen = kv.visible(positions, window)
-            else:
-                seen = kv.with_chunk(kv.before(positions, window) if past is None else past,
-                                     slots, positions, mask)
-            out = layers.attention(q, (*kv.view(q.dtype), seen))
-        else:  # a long chunk (a prompt) on a lossless kind, or a chunk longer than a ring's
-            # margin: the entry as it was before this chunk, then the chunk's own keys (the
-            # same values the entry then holds)
-            seen = kv.before(positions, window) if past is None else past
-            out = layers.attention(q, (*kv.view(q.dtype), seen),
-                                   (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask))
-            kv = kv.write(k, v, slots, positions)
+        else:  # write, then attend over what the entry holds (`Slotted.attend_chunk`)
+            out, kv = kv.attend_chunk(q, k, v, positions, mask, slots, past=past, tree=tree is not None,
+                                      impl=cfg.attention_impl, window=window)
         return layers.linear(out, p.wo, n_in=2), kv
 
 
