@@ -51,8 +51,30 @@ def _generate(cfg, params, prompts, lens, new, kind="dense", capacity=96, cache=
     return np.asarray(out[0].tokens), out[1]
 
 
+FORWARD = jax.jit(transformer.forward, static_argnames="cfg")
+
+
+def _teacher_forced(cfg, params, prompts, lens, tokens, kind):
+    """Each step's argmax [B, N] over a `kind` cache: a ragged prefill, then decode steps
+    fed `tokens` (i32[B, N], dense's greedy output), so one flip does not count for every
+    later step."""
+    b, n = tokens.shape
+    width = prompts.shape[1]
+    positions = np.where(np.arange(width)[None] < np.asarray(lens)[:, None], np.arange(width)[None], -1)
+    cache = dense.init_cache(cfg, b, 96, kind=kind)
+    logits, cache = FORWARD(params, jnp.asarray(prompts), jnp.asarray(positions), cache, cfg=cfg)
+    tops = [np.asarray(logits)[np.arange(b), np.asarray(lens) - 1].argmax(-1)]
+    for j in range(n - 1):
+        logits, cache = FORWARD(params, jnp.asarray(tokens[:, j:j + 1]), cache.lengths[:, None], cache, cfg=cfg)
+        tops.append(np.asarray(logits)[:, 0].argmax(-1))
+    return np.stack(tops, 1)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_ragged_batch_equals_rows_alone_and_dense(tiny, kind):
+    """Every kind's ragged batch gives each row's tokens alone; the lossless kinds give
+    dense's tokens, the quantised ones pick dense's next token at most steps (teacher-forced:
+    a tiny random model's logits have near-ties, and one flip would move every later token)."""
     cfg, params = tiny
     lens = [5, 23, 12]
     rows, prompts = _prompts(lens)
@@ -61,8 +83,11 @@ def test_every_kind_ragged_batch_equals_rows_alone_and_dense(tiny, kind):
     for i, r in enumerate(rows):
         alone, _ = _generate(cfg, params, r[None].astype(np.int32), [len(r)], 16, kind)
         np.testing.assert_array_equal(got[i], alone[0])
-    agree = np.mean(got == want)
-    assert agree == 1.0 if kind in ("dense", "paged") else agree >= {"int8": 0.9, "int4": 0.5}[kind]
+    if kind in ("dense", "paged"):
+        np.testing.assert_array_equal(got, want)
+        return
+    agree = np.mean(_teacher_forced(cfg, params, prompts, lens, want, kind) == want)
+    assert agree >= {"int8": 0.9, "int4": 0.85}[kind], agree  # measured 0.98-1.0 for both
 
 
 def test_nan_in_unused_pages_never_changes_an_output(tiny):
@@ -169,8 +194,10 @@ def _windowed(window: int):
 def _full_recompute(cfg, params, tokens):
     """Logits of the whole sequence run at once without a cache: every token attends
     within the chunk, under `chunk_mask`'s window (checked against the definition below)."""
-    positions = jnp.arange(len(tokens))[None]
-    return np.asarray(transformer.forward(params, jnp.asarray(tokens)[None], positions, None, cfg)[0][0])
+    padded = np.zeros(64, np.int32)  # one width (one compile); causal: the padding after is unseen
+    padded[:len(tokens)] = tokens
+    logits, _ = FORWARD(params, jnp.asarray(padded)[None], jnp.arange(64)[None], None, cfg=cfg)
+    return np.asarray(logits[0, :len(tokens)])
 
 
 def test_chunk_mask_window_is_the_definition():
@@ -195,14 +222,14 @@ def test_windowed_layers_decode_as_full_recompute(kind):
     if kind == "window":
         assert cache.layers[0].capacity == 16 and cache.layers[1].capacity == 48
     positions = jnp.where(jnp.arange(21)[None] < jnp.array([[13], [21]]), jnp.arange(21)[None], -1)
-    logits, cache = transformer.forward(params, jnp.asarray(prompts), positions, cache, cfg)
+    logits, cache = FORWARD(params, jnp.asarray(prompts), positions, cache, cfg=cfg)
     seqs = [list(r) for r in rows]
     for i, r in enumerate(rows):
         np.testing.assert_allclose(np.asarray(logits)[i, :len(r)],
                                    _full_recompute(cfg, params, np.asarray(r)), atol=atol)
     last = jnp.argmax(logits[jnp.arange(2), jnp.array([12, 20])], -1).astype(jnp.int32)
     for _ in range(12):
-        step, cache = transformer.forward(params, last[:, None], cache.lengths[:, None], cache, cfg)
+        step, cache = FORWARD(params, last[:, None], cache.lengths[:, None], cache, cfg=cfg)
         for i in range(2):
             seqs[i].append(int(last[i]))
             np.testing.assert_allclose(np.asarray(step)[i, 0],

@@ -184,9 +184,11 @@ def test_short_last_group_against_float64(bits, symmetric, k, g):
     assert deq.shape == (k, 12)
     ref = ref_quantize_short(w, bits, symmetric, g)
     err = np.abs(deq - ref)
-    # f32 vs f64 division can land a code across a rounding boundary: one step, rarely
+    # f32 vs f64 arithmetic can land a code across a rounding boundary (one step, rarely:
+    # 0.1% of codes at most in 30 draws), and at 8 bits asymmetric the f32 offset moves a
+    # whole group by up to 1% of a step (so a relative 1e-6 bound fails for whole groups)
     step = np.repeat(np.abs(np.asarray(qa.scale, np.float64)), g, axis=0)[:k]
-    assert np.all(err <= step * (1 + 1e-6)) and (err <= 1e-6 * (np.abs(ref) + step)).mean() > 0.99
+    assert np.all(err <= step * (1 + 1e-6)) and (err <= 0.05 * step).mean() > 0.99
     assert_error_bound(qa, w)
     x = rng.standard_normal((3, k)).astype(np.float32)
     want = x.astype(np.float64) @ deq
