@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +94,19 @@ def test_every_kind_equals_dense_and_ragged_equals_alone(name):
         # the tokens: tests/test_cache_kinds.py checks ragged == alone exactly on a tiny model
 
 
+@pytest.fixture(autouse=True)
+def _release_compiled_code_per_test():
+    """Each test here compiles the real models' programs for every kind: let them go after
+    each test (kept for the whole module, LLVM ran out of memory maps mid-module)."""
+    yield
+    _release()
+
+
+def _release():
+    jax.clear_caches()
+    gc.collect()
+
+
 def _err(logits, ref) -> float:
     return float(np.abs(logits - ref).max() / np.abs(ref).max())
 
@@ -122,3 +137,21 @@ def test_speculation_over_every_kind_is_plain_decoding_over_it(name):
         assert kept.spec["mean_accepted"] > 1.5, kind  # drafts were kept: the check has teeth
         got = api.generate(m, PROMPTS, max_new_tokens=20, drafter=tree)
         assert got.token_ids == plain.token_ids, (kind, "tree")
+        _release()  # four programs per kind
+
+
+@pytest.mark.parametrize("kind", ["paged", "int8", "int4"])
+def test_cli_speculation_over_a_kind_is_plain_decoding_over_it(kind):
+    """The issue's report, as a user ran it: `jaxdec generate --kv-cache int4 --temperature 0`
+    printed other text with `--draft layers:8` than without. Now the text is the same with
+    layers:8 and with a drafter that keeps most drafts (layers:28 of SmolLM2's 30)."""
+    from test_cli import run
+
+    common = ("generate", "--model", "smollm2", "--kv-cache", kind, "--temperature", "0", "-n", "24",
+              "--no-stream", "--prompt", PROMPTS[1])
+    plain = run(*common)
+    assert plain.returncode == 0, plain.stderr
+    for draft in ("layers:8", "layers:28"):
+        got = run(*common, "--draft", draft)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout == plain.stdout, (kind, draft)
