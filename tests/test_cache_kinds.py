@@ -10,6 +10,7 @@ reference), NaN-filled unused pages, pages handed out at run time, reused rows, 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jaxdec.cache import dense, entry, paged, registry, window
 from jaxdec.config import MambaConfig, ModelConfig
 from jaxdec.models import transformer
 from jaxdec.sampling import Greedy
+from jaxdec.speculative import core
 
 KINDS = ["dense", "paged", "int8", "int4"]
 
@@ -256,6 +258,11 @@ def test_bad_kinds_are_one_line_errors(tiny):
     odd = dataclasses.replace(cfg, head_dim=30)
     assert_one_line_error(dense.init_cache, odd, 1, 32, kind="int4", match="cannot group heads of 30")
     assert_one_line_error(dense.init_cache, mamba, 1, 32, kind="int8", match="Mamba layer")
+    ring = dense.init_cache(wcfg, 1, 256, kind="window", margin=3)  # a ring rolls back 3 + 1
+    chain = lambda k: types.SimpleNamespace(k=k, tree=None)
+    core.check(wcfg, ring, chain(3), 8, 16)
+    assert_one_line_error(core.check, wcfg, ring, chain(4), 8, 16,
+                          match="a draft of 5 tokens is more than layer 0's cache entry")
 
 
 def test_a_new_kind_is_one_registration(tiny):

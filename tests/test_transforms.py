@@ -15,6 +15,7 @@ import pytest
 from conftest import assert_one_line_error
 from jaxdec import pytree, transforms
 from jaxdec.config import ModelConfig
+from jaxdec.formats.qarray import QArray
 from jaxdec.models import moefy, transformer
 from jaxdec.quant import kurtail, methods
 
@@ -94,6 +95,14 @@ def test_transform_runs_and_equals_the_function_it_wraps(name):
     if name == "moefy":
         assert got_cfg.moe.n_experts == MOEFY["n_experts"]
         assert got_cfg.layer_types == ("attention+moe",) * CFG.n_layers
+        return
+    # the options reached the method: every block matmul (7 a layer) at the asked width, in
+    # groups of GROUP where the method groups (LLM.int8 and SmoothQuant scale per channel)
+    qs = [w for w in jax.tree.leaves(got_params, is_leaf=lambda x: isinstance(x, QArray))
+          if isinstance(w, QArray)]
+    assert len(qs) == 7 * CFG.n_layers and {q.bits for q in qs} == {options["bits"]}
+    if "group_size" in options and name not in ("llm_int8", "smoothquant"):
+        assert {q.group_size for q in qs} == {GROUP}
 
 
 def test_unknown_name_is_one_line_error():

@@ -22,7 +22,6 @@ interleave (what the attention kernels want). `dequantize_kv` is the numerical t
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
 from typing import Any
 
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.errors import JaxdecError
-from jaxdec.formats.qarray import check_array
+from jaxdec.formats.qarray import check_array, stored_bytes
 
 GRANULARITIES = ("token", "group", "channel")
 SCALE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -103,8 +102,7 @@ class QuantKV:
     @property
     def nbytes(self) -> int:
         """Bytes actually stored: codes, scales and offsets."""
-        leaves = [self.codes, self.scale] + ([] if self.offset is None else [self.offset])
-        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+        return stored_bytes(self.codes, self.scale, self.offset)
 
 
 def _fail(msg: str):

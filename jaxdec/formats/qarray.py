@@ -127,8 +127,13 @@ class QArray:
     @property
     def nbytes(self) -> int:
         """Bytes actually stored: codes, scales and offsets."""
-        leaves = [self.q, self.scale] + ([] if self.offset is None else [self.offset])
-        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+        return stored_bytes(self.q, self.scale, self.offset)
+
+
+def stored_bytes(*arrays) -> int:
+    """Bytes of `arrays` (None: absent), counted from shapes and dtypes, so abstract
+    `ShapeDtypeStruct`s count as their arrays would (quantised weights and KV caches)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in arrays if x is not None)
 
 
 def _fail(msg: str):

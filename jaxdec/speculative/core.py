@@ -77,10 +77,10 @@ def check(cfg: ModelConfig, cache: dense.KVCache, drafter, prompt_width: int,
         raise JaxdecError("speculative decoding needs a cache it can roll back, and this "
                           "model has Mamba layers")
     width = draft_width(drafter)
-    margin = min((e.margin for e in cache.layers if hasattr(e, "margin")), default=width)
-    if width > margin + 1:
-        raise JaxdecError(f"a draft of {width} tokens overflows the sliding-window ring's margin "
-                          f"of {margin} (+1) it may roll back")
+    short = [i for i, e in enumerate(cache.layers) if e is not None and not e.holds_chunk(width)]
+    if short:  # (a sliding-window ring holds margin + 1 tokens it may roll back)
+        raise JaxdecError(f"a draft of {width} tokens is more than layer {short[0]}'s cache entry "
+                          "can write and roll back")
     if width > cache.capacity:
         raise JaxdecError(f"a draft of {width - 1} tokens (+1 verified) does not fit the "
                           f"cache's capacity of {cache.capacity} tokens")
