@@ -14,49 +14,38 @@ import jinja2.sandbox
 
 from jaxdec.errors import JaxdecError
 
-# Gemma 3's template (its instruction-tuned checkpoints' tokenizer_config.json), for Gemma 3
-# GGUF files, which carry none: turns are `<start_of_turn>user|model\n...<end_of_turn>\n`, a
-# system prompt opens the first user turn, and the generation prompt is `<start_of_turn>model\n`.
-GEMMA3 = r"""{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
+# Gemma 3's chat format, for Gemma 3 GGUF files, which carry no template. Turns are
+# `<start_of_turn>ROLE\n` + the trimmed text + `<end_of_turn>\n`, ROLE "user" or "model" (the
+# assistant), alternating from a user turn; a system message is no turn of its own but opens
+# the first one (its text, then a blank line); the generation prompt is `<start_of_turn>model\n`.
+# Content is a string or a list of parts (text, or an image marker).
+GEMMA3 = r"""{{- bos_token -}}
+{%- macro text(content) -%}
+    {%- if content is string -%}{{ content | trim }}
+    {%- elif content is iterable -%}
+        {%- for part in content -%}
+            {%- if part['type'] == 'text' -%}{{ part['text'] | trim }}
+            {%- elif part['type'] == 'image' -%}<start_of_image>
             {%- endif -%}
         {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
+    {%- else -%}{{ raise_exception("Invalid content type") }}
     {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
+{%- endmacro -%}
+{%- set has_system = messages and messages[0]['role'] == 'system' -%}
+{%- if has_system -%}
+    {%- set system = messages[0]['content'] -%}
+    {%- set opening = (system if system is string else system[0]['text']) + '\n\n' -%}
+{%- else -%}
+    {%- set opening = '' -%}
 {%- endif -%}
+{%- for m in (messages[1:] if has_system else messages) -%}
+    {%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{- raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") -}}
+    {%- endif -%}
+    {{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' -}}
+    {{- opening if loop.first else '' -}}{{- text(m['content']) -}}{{- '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
 """
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from jaxdec.checkpoint.registry import home
 from jaxdec.config import ModelConfig
 
-_VERSION = 1
+_VERSION = 2  # raised whenever what a load converts changes (2: Gemma 3 chat template)
 
 
 def enabled() -> bool:

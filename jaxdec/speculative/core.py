@@ -50,6 +50,8 @@ from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
 from jaxdec.sampling import Greedy, Sampler
 
+DEFAULT_K = 4  # drafts per round when a drafter is made without k
+
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["last", "active", "n_generated", "stopped", "tokens", "rounds",

@@ -15,9 +15,8 @@ import pathlib
 from jaxdec.errors import JaxdecError
 from jaxdec.speculative.tree import TreeSpec
 from jaxdec.speculative import small_model
+from jaxdec.speculative.core import DEFAULT_K
 from jaxdec.speculative.hetero import CrossVocab
-
-DEFAULT_K = 4
 
 
 def load(src: str, target, *, k: int | None = None, method: str = "tli",

@@ -54,15 +54,15 @@ _BACK = 4  # drafter tokens re-tokenized behind the committed end each round
 _TARGET_BACK = 2  # committed target tokens in front of a SLEM draft's text
 _FEED = 4  # drafter tokens one draft call catches up on (more go through `_feed` first)
 
+
 @dataclasses.dataclass(frozen=True)
 class CrossVocab:
-    """A drafter model with another vocabulary (`jaxdec.speculative.hetero`): "tli" (token-level
-    intersection, lossless under sampling too) or "slem" (string-level exact match)."""
+    """A drafter model with another vocabulary: "tli" (token-level intersection, lossless
+    under sampling too) or "slem" (string-level exact match)."""
 
     model: object
     method: str = "tli"
-    k: int = 4
-
+    k: int = core.DEFAULT_K
 
 
 # ---------------------------------------------------------------------------- vocabularies
