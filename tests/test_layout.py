@@ -1,5 +1,6 @@
-"""The library's layout: no import cycle between its modules, no folder over a quarter of
-its lines, and no module reaching into another's private names.
+"""The library's layout: no import cycle between the modules of `jaxdec/` and
+`pallas_kernels/`, no folder over a quarter of the library's lines, and no module reaching
+into another's private names.
 
 Every import counts, a lazy one inside a function too (a cycle broken only by deferring an
 import is still a cycle in the design); `if TYPE_CHECKING:` blocks do not.
@@ -10,16 +11,18 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdec"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ROOT = REPO / "jaxdec"
+PACKAGES = ("jaxdec", "pallas_kernels")
 
 
-def _module(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def _module(path: pathlib.Path, repo: pathlib.Path) -> str:
+    parts = path.relative_to(repo).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _sources() -> dict[str, pathlib.Path]:
-    return {_module(p): p for p in sorted(ROOT.rglob("*.py"))}
+def _sources(repo: pathlib.Path = REPO, packages=PACKAGES) -> dict[str, pathlib.Path]:
+    return {_module(p, repo): p for pkg in packages for p in sorted((repo / pkg).rglob("*.py"))}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -28,8 +31,9 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(name: str, path: pathlib.Path, modules: set[str]) -> list[tuple[str, list[str]]]:
-    """(module imported, [names taken from it]) for every jaxdec import in `path`."""
+def _imports(name: str, path: pathlib.Path, modules: set[str],
+             packages=PACKAGES) -> list[tuple[str, list[str]]]:
+    """(module imported, [names taken from it]) for every import of `packages` in `path`."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
@@ -41,7 +45,7 @@ def _imports(name: str, path: pathlib.Path, modules: set[str]) -> list[tuple[str
                     visit(c)
                 continue
             if isinstance(child, ast.Import):
-                out.extend((a.name, []) for a in child.names if a.name.split(".")[0] == "jaxdec")
+                out.extend((a.name, []) for a in child.names if a.name.split(".")[0] in packages)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = package.split(".")
@@ -49,7 +53,7 @@ def _imports(name: str, path: pathlib.Path, modules: set[str]) -> list[tuple[str
                     src = ".".join(base + ([child.module] if child.module else []))
                 else:
                     src = child.module or ""
-                if src.split(".")[0] != "jaxdec":
+                if src.split(".")[0] not in packages:
                     continue
                 for a in child.names:  # `from jaxdec.cache import dense` imports a module
                     sub = f"{src}.{a.name}"
@@ -66,12 +70,12 @@ def _owner(mod: str, modules: set[str]) -> str:
     return mod
 
 
-def _graph() -> dict[str, set[str]]:
-    sources = _sources()
+def _graph(repo: pathlib.Path = REPO, packages=PACKAGES) -> dict[str, set[str]]:
+    sources = _sources(repo, packages)
     modules = set(sources)
     graph = {m: set() for m in modules}
     for name, path in sources.items():
-        for mod, _ in _imports(name, path, modules):
+        for mod, _ in _imports(name, path, modules, packages):
             dst = _owner(mod, modules)
             if dst != name:
                 graph[name].add(dst)
@@ -119,12 +123,44 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_checks_fail_on_a_temporary_module_that_breaks_them(tmp_path):
+    """A copy of the real tree plus one module that imports back into its importer, and one
+    that takes a private name: both checks must name them (and pass without them)."""
+    import shutil
+    for pkg in PACKAGES:
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("csrc", "__pycache__"))
+    assert _cycles(_graph(tmp_path)) == [] and _private_reach_ins(tmp_path) == []
+    _write(tmp_path, {
+        "jaxdec/zz_cycle.py": "from jaxdec import api\n",
+        "jaxdec/api.py": (REPO / "jaxdec/api.py").read_text() + "\nfrom jaxdec import zz_cycle\n",
+        "pallas_kernels/zz_private.py": "from jaxdec.cache import entry\nx = entry._private_thing\n",
+        "jaxdec/zz_private2.py": "from jaxdec.api import _secret\n",
+    })
+    cycles = _cycles(_graph(tmp_path))
+    assert any({"jaxdec.api", "jaxdec.zz_cycle"} <= set(c) for c in cycles), cycles
+    bad = _private_reach_ins(tmp_path)
+    assert "pallas_kernels.zz_private uses entry._private_thing" in bad, bad
+    assert "jaxdec.zz_private2 imports jaxdec.api._secret" in bad, bad
+
+
 def test_no_module_takes_another_modules_private_names():
-    sources = _sources()
+    bad = _private_reach_ins()
+    assert not bad, "\n".join(bad)
+
+
+def _private_reach_ins(repo: pathlib.Path = REPO, packages=PACKAGES) -> list[str]:
+    sources = _sources(repo, packages)
     modules = set(sources)
     bad = []
     for name, path in sources.items():
-        for mod, names in _imports(name, path, modules):
+        for mod, names in _imports(name, path, modules, packages):
             bad += [f"{name} imports {mod}.{n}" for n in names
                     if n.startswith("_") and not n.startswith("__") and _owner(mod, modules) != name]
         text = path.read_text()
@@ -138,12 +174,12 @@ def test_no_module_takes_another_modules_private_names():
                     and node.value.id in aliases and aliases[node.value.id].lstrip(".") and
                     _is_module_alias(aliases[node.value.id], name, modules)):
                 bad.append(f"{name} uses {node.value.id}.{node.attr}")
-    assert not bad, "\n".join(sorted(set(bad)))
+    return sorted(set(bad))
 
 
 def _is_module_alias(spec: str, name: str, modules: set[str]) -> bool:
     """Whether `spec` (from an ImportFrom: "module.name") names another jaxdec module."""
-    if spec.startswith("jaxdec."):
+    if spec.split(".")[0] in PACKAGES:
         return spec in modules and spec != name
     package = name.rpartition(".")[0]
     return f"{package}.{spec.lstrip('.')}" in modules

@@ -392,7 +392,7 @@ class _Lanes:
     lut_base: jax.Array  # i32[M] where its array's tables start in the flat table (entries)
 
 
-def _words(stream) -> jax.Array:
+def stream_words(stream) -> jax.Array:
     """u8[4 W] -> u32[W], big-endian."""
     b = jnp.asarray(stream).reshape(-1, 4).astype(jnp.uint32)
     return (b[:, 0] << 24) | (b[:, 1] << 16) | (b[:, 2] << 8) | b[:, 3]
@@ -418,7 +418,7 @@ def _all_lanes(arrays, zero=0) -> _Lanes:
     their streams and gaps concatenated; which array a lane belongs to is static."""
     wait = lambda x: x + jnp.asarray(zero).astype(x.dtype)
     cat = lambda xs: wait(xs[0]) if len(xs) == 1 else jnp.concatenate([wait(x) for x in xs])
-    words = _words(cat([jnp.asarray(a.stream) for a in arrays]))  # (waiting for `zero`)
+    words = stream_words(cat([jnp.asarray(a.stream) for a in arrays]))  # (waiting for `zero`)
     gaps = cat([jnp.asarray(a.gaps) for a in arrays])
     starts = lambda sizes: np.cumsum([0] + list(sizes))[:-1]
     lane0 = starts(a.n_blocks * THREADS_PER_BLOCK for a in arrays)
@@ -485,7 +485,7 @@ def _offsets(count, block_base, zero=0) -> jax.Array:
     return (block_base[:, None] + before.astype(jnp.int32)).reshape(-1)
 
 
-def _place(syms, offsets, n: int, zero=0) -> jax.Array:
+def place_exponents(syms, offsets, n: int, zero=0) -> jax.Array:
     """u8[n]: the steps of lane m (syms[:, m], zeros past its codes) go to offsets[m],
     offsets[m] + 1, ...: one windowed scatter-add into a buffer S longer than n. The
     lanes' runs of codes tile [0, n), so every position gets exactly one code."""
@@ -498,7 +498,7 @@ def _place(syms, offsets, n: int, zero=0) -> jax.Array:
     return out[:n]
 
 
-def _assemble(exponent, sign_mantissa, zero=0) -> jax.Array:
+def assemble_bf16(exponent, sign_mantissa, zero=0) -> jax.Array:
     """u8 exponents and sign+mantissa bytes -> bfloat16. (The bytes wait for `zero` too:
     otherwise XLA hoists their share of the work out of a decode loop and keeps it, two
     bytes a weight of the whole model, alive for the whole loop.)"""
@@ -540,10 +540,10 @@ def decompress_many(arrays, *, after=None) -> list[jax.Array]:
         block_base.append(jnp.asarray(a.block_pos).astype(jnp.int32) + n_total)
         n_total += a.size
     offsets = _offsets(count, jnp.concatenate(block_base) if len(arrays) > 1 else block_base[0], zero)
-    exponent = _place(syms, offsets, n_total, zero)
+    exponent = place_exponents(syms, offsets, n_total, zero)
     out, lo = [], 0
     for a in arrays:
-        out.append(_assemble(exponent[lo: lo + a.size], a.sign_mantissa, zero).reshape(a.shape))
+        out.append(assemble_bf16(exponent[lo: lo + a.size], a.sign_mantissa, zero).reshape(a.shape))
         lo += a.size
     return out
 
@@ -610,16 +610,16 @@ def take_slice(a: DF11Array, start, rows: int) -> jax.Array:
     nb = _blocks_per_row(a, n)
     blocks = jnp.searchsorted(pos, first, side="right").astype(jnp.int32) - 1 + jnp.arange(nb)
     t = (blocks[:, None] * THREADS_PER_BLOCK + jnp.arange(THREADS_PER_BLOCK, dtype=jnp.int32)).reshape(-1)
-    syms, count = _decode(_lanes(_words(a.stream), a.gaps, t, n_bits=a.n_bits), _flat_luts([a]),
+    syms, count = _decode(_lanes(stream_words(a.stream), a.gaps, t, n_bits=a.n_bits), _flat_luts([a]),
                           a.max_count, -(-a.max_len // 8))
     margin = THREADS_PER_BLOCK * THREAD_BITS  # a block holds at most this many codes
     # blocks past the last (idle lanes) start at n, after every real one: the offsets stay
     # sorted, as `_place`'s scatter is told they are
     base = jnp.where(blocks < a.n_blocks, pos[jnp.minimum(blocks, a.n_blocks - 1)], a.size)
     offsets = _offsets(count, base) - first + margin
-    exponent = _place(syms, offsets, margin + n)[margin:]
+    exponent = place_exponents(syms, offsets, margin + n)[margin:]
     sm = jax.lax.dynamic_slice_in_dim(jnp.asarray(a.sign_mantissa), first, n)
-    return _assemble(exponent, sm).reshape(rows, *a.shape[1:])
+    return assemble_bf16(exponent, sm).reshape(rows, *a.shape[1:])
 
 
 def take_rows(a: DF11Array, idx) -> jax.Array:

@@ -38,7 +38,7 @@ def blocked_inputs(a: dfloat11.DF11Array):
     """(u32[NB, 1025] each block's stream words with one word of look-ahead, u8[NB, 321]
     each block's packed gaps with one byte more, i32[L * 256] the tables)."""
     nb, per = a.n_blocks, 2 * dfloat11.THREADS_PER_BLOCK
-    words = dfloat11._words(a.stream)
+    words = dfloat11.stream_words(a.stream)
     words = jnp.pad(words, (0, nb * per + 1 - words.shape[0]))
     rows = jnp.arange(nb)[:, None] * per + jnp.arange(per + 1)
     gaps = jnp.asarray(a.gaps)
@@ -59,5 +59,5 @@ def decompress(a: dfloat11.DF11Array, *, implementation: str = "pallas", interpr
     words, gaps, lut = blocked_inputs(a)
     rows = kernel.block_exponents(words, gaps, lut, n_bits=a.n_bits, steps=a.max_count,
                                   levels=-(-a.max_len // 8), interpret=interpret)
-    exponent = dfloat11._place(rows.T, jnp.asarray(a.block_pos).astype(jnp.int32), a.size)
-    return dfloat11._assemble(exponent, a.sign_mantissa).reshape(a.shape)
+    exponent = dfloat11.place_exponents(rows.T, jnp.asarray(a.block_pos).astype(jnp.int32), a.size)
+    return dfloat11.assemble_bf16(exponent, a.sign_mantissa).reshape(a.shape)
