@@ -13,6 +13,7 @@ _EXPORTS = {
     "init_cache": "jaxdec.api", "shard": "jaxdec.api", "mesh_decode_step": "jaxdec.api",
     "ModelConfig": "jaxdec.config", "RopeScaling": "jaxdec.config",
     "JaxdecError": "jaxdec.errors",
+    "Engine": "jaxdec.engine.engine", "SamplingParams": "jaxdec.engine.request",
     "Greedy": "jaxdec.sampling", "MinP": "jaxdec.sampling", "Sample": "jaxdec.sampling",
     "Temperature": "jaxdec.sampling", "TopK": "jaxdec.sampling", "TopP": "jaxdec.sampling",
 }
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from jaxdec.api import (GenerateResult, Model, generate, init_cache, load, mesh_decode_step,
                             save, score, shard)
     from jaxdec.config import ModelConfig, RopeScaling
+    from jaxdec.engine.engine import Engine
+    from jaxdec.engine.request import SamplingParams
     from jaxdec.errors import JaxdecError
     from jaxdec.sampling import Greedy, MinP, Sample, Temperature, TopK, TopP
 

@@ -99,3 +99,55 @@ def make_sampler(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
         raise JaxdecError(f"temperature must be >= 0 (got {temperature})")
     sampler = Sample(temperature=temperature or 1.0, top_k=top_k, top_p=top_p, min_p=min_p)
     return Greedy() if temperature == 0 else sampler
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """Sampling settings as data, one per row, so one compiled step serves any mix of
+    requests (the engine's). temperature 0 means greedy for that row; top_k 0, top_p 1
+    and min_p 0 are off, as in `Sample`."""
+
+    temperature: jax.Array  # f32[R]
+    top_k: jax.Array        # i32[R]
+    top_p: jax.Array        # f32[R]
+    min_p: jax.Array        # f32[R]
+
+    @classmethod
+    def of(cls, samplers) -> "RowParams":
+        """From one `Greedy` or `Sample` per row."""
+        get = lambda name, off: [getattr(s, name, off) for s in samplers]
+        temps = [s.temperature if isinstance(s, Sample) else 0.0 for s in samplers]
+        return cls(temperature=jnp.asarray(temps, jnp.float32),
+                   top_k=jnp.asarray(get("top_k", 0), jnp.int32),
+                   top_p=jnp.asarray(get("top_p", 1.0), jnp.float32),
+                   min_p=jnp.asarray(get("min_p", 0.0), jnp.float32))
+
+
+def filter_rows(logits: jax.Array, p: RowParams) -> jax.Array:
+    """f32[R, V] -> what `Sample(...).filter` gives each sampled row alone (temperature,
+    top-k, top-p, min-p in that order; removed tokens -inf), from one sort of the batch."""
+    x = logits.astype(jnp.float32) / jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
+    v = x.shape[-1]
+    order = jnp.argsort(-x, axis=-1)  # stable, as `_top_p`'s
+    sx = jnp.take_along_axis(x, order, axis=-1)
+    k = jnp.where((p.top_k > 0) & (p.top_k < v), p.top_k, v)
+    kth = jnp.take_along_axis(sx, (k - 1)[:, None], axis=-1)
+    sx = jnp.where(sx < kth, _REMOVED, sx)
+    probs = jax.nn.softmax(sx, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs < p.top_p[:, None]) | (p.top_p[:, None] >= 1.0)
+    sx = jnp.where(keep.at[:, 0].set(True), sx, _REMOVED)
+    probs = jax.nn.softmax(sx, axis=-1)
+    low = (probs < p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)) & (p.min_p[:, None] > 0)
+    sx = jnp.where(low, _REMOVED, sx)
+    rows = jnp.arange(x.shape[0])[:, None]
+    return jnp.zeros_like(x).at[rows, order].set(sx)
+
+
+def sample_rows(logits: jax.Array, p: RowParams, keys: jax.Array) -> jax.Array:
+    """f32[R, V], per-row settings and keys ([R] typed keys) -> i32[R]: argmax where the
+    temperature is 0, else a draw from the row's filtered distribution with its own key
+    (so a row's draw does not depend on the other rows)."""
+    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filter_rows(logits, p))
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(p.temperature > 0, drawn, greedy).astype(jnp.int32)

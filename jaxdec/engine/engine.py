@@ -1,0 +1,424 @@
+"""The engine: continuous batching over a paged pool, with chunked prefill, prefix caching
+and preemption by recompute.
+
+    engine = jaxdec.Engine(model, max_num_seqs=8, max_num_batched_tokens=256)
+    rid = engine.add_request("Once upon a time", SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():          # RequestOutput: new tokens and text of a request
+            print(out.request_id, out.text, out.finished)
+    results = engine.generate(["a", "b"], SamplingParams(max_tokens=16))  # offline, vLLM's habit
+
+Each `step` schedules on the host, then runs the model once or twice (`step.run_rows`):
+1. **Schedule** under a token budget (`max_num_batched_tokens`) and `max_num_seqs` rows.
+   Running requests come first, in the policy's order: a decoding request gets 1 token, a
+   request still in its prompt a chunk of it (Sarathi's chunked prefill), as far as the
+   budget goes. Then waiting requests are admitted in the policy's order while a row, the
+   budget and pages allow (work-conserving: every step is filled while requests wait). An
+   admitted request first takes the longest prefix of its tokens that the pool caches
+   (`pages.PagePool`), up to the page before its last token, which is always computed for
+   its logits. When the pool has no page for a running request's next tokens, the policy's
+   victim is preempted: its pages are released and it waits again at the front, to be
+   recomputed from its prompt and the tokens it had generated. No request is admitted in
+   a step that preempted.
+2. **Run**: rows with one token run as the decode batch ([max_num_seqs, 1], every row, the
+   idle ones padding); rows with a prompt chunk as a prefill batch ([Bp, C]). The sizes are
+   bucketed (`buckets`: Bp and C to powers of two, the decode page-table width to powers
+   of two), so after `warmup` the engine compiles nothing new, whatever the prompts,
+   lengths and settings.
+3. **Commit**: each row that reached its last token takes the sampled token; stop tokens,
+   stop strings (`detok.TextStream`), `max_tokens` end it and free its row and pages at
+   once; pages that filled up are published to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdec.batching import check_ids
+from jaxdec.cache import dense
+from jaxdec.engine import policy as policies
+from jaxdec.engine.detok import TextStream
+from jaxdec.engine.pages import PagePool, prefix_keys
+from jaxdec.engine.request import Request, SamplingParams, Status
+from jaxdec.engine.step import TOP_LOGPROBS, run_rows
+from jaxdec.errors import JaxdecError
+from jaxdec.sampling import RowParams
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]          # new this step (one, or none while its prompt runs)
+    text: str                     # new text this step (held back while a stop string may form)
+    finished: bool
+    finish_reason: str | None     # "stop", "length" or "abort"
+    logprobs: list[tuple[float, list[tuple[int, float]]]]  # per new token: its own, the top ones
+    request: Request              # the whole request: prompt, every output id, timings
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    """The smallest power of two >= n, at least lo, at most hi (hi itself if not a power)."""
+    size = lo
+    while size < n:
+        size *= 2
+    return min(size, hi)
+
+
+class Engine:
+    def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                 max_model_len: int | None = None, page_size: int = 32, num_pages: int | None = None,
+                 kv_cache_memory: int = 1 << 30, max_prefill_seqs: int = 4, policy: str = "fcfs",
+                 seed: int = 0):
+        """`max_model_len` (default: the model's context, at most 4096) bounds prompt plus
+        output; the pool has `num_pages` pages of `page_size` tokens (default: enough for
+        every row at full length, within `kv_cache_memory` bytes)."""
+        cfg = model.cfg
+        dense.check("paged", cfg.attention_impl, cfg)
+        if any(cfg.window(i) is not None for i in range(cfg.n_layers)):
+            raise JaxdecError("the engine does not serve sliding-window layers yet (Gemma 3): "
+                              "use jaxdec.generate")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("page_size", page_size), ("max_prefill_seqs", max_prefill_seqs)):
+            if not isinstance(value, int) or value < 1:
+                raise JaxdecError(f"{name} must be a positive integer (got {value!r})")
+        self.model, self.cfg = model, cfg
+        self.max_model_len = min(max_model_len or 4096, cfg.max_position)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_prefill_seqs = min(max_prefill_seqs, max_num_seqs)
+        self.page_size = page_size
+        self.pages_per_row = -(-self.max_model_len // page_size)
+        if num_pages is None:
+            page_bytes = sum(2 * cfg.kv_heads(i) * page_size * cfg.head_dim * np.dtype(model.dtype).itemsize
+                             for i, (mixer, _) in enumerate(cfg.kinds) if mixer == "attention")
+            num_pages = min(max_num_seqs * self.pages_per_row,
+                            max(self.pages_per_row, kv_cache_memory // page_bytes))
+        self.pool = PagePool(num_pages, page_size)
+        self.policy = policies.make(policy)
+        self.scratch = num_pages
+        self.table = np.full((max_num_seqs, self.pages_per_row), self.scratch, np.int32)
+        self.pools = tuple(self._pool(i, num_pages) if mixer == "attention" else None
+                           for i, (mixer, _) in enumerate(cfg.kinds))
+        self.stop_ids = frozenset(model.tokenizer.stop_ids)
+        self.free_rows = list(range(max_num_seqs))[::-1]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, TextStream] = {}
+        self._seeds: dict[str, int] = {}
+        self._published: dict[str, int] = {}
+        self._keys: dict[str, list[bytes]] = {}
+        self._aborted: list[RequestOutput] = []
+        self._watched: dict[str, list[RequestOutput]] = {}
+        self._rng = np.random.default_rng(seed)
+        self._next_id = 0
+        self.last_step = dict(decode_rows=0, prefill_rows=0, tokens=0)  # what the last step ran
+        self.counters = dict(steps=0, preemptions=0, prefix_hit_tokens=0, prefix_query_tokens=0,
+                             computed_tokens=0, generation_tokens=0)
+
+    def _pool(self, layer: int, num_pages: int):
+        shape = (self.cfg.kv_heads(layer), num_pages + 1, self.page_size, self.cfg.head_dim)
+        zeros = np.zeros(shape, self.model.dtype)
+        return (jax.device_put(zeros, may_alias=False), jax.device_put(zeros.copy(), may_alias=False))
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 0, arrival: float | None = None) -> str:
+        """Queue a prompt (text, or token ids) -> its request id. A prompt the model or the
+        pool could never hold is refused at once with a one-line `JaxdecError`."""
+        params = SamplingParams() if params is None else params
+        ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise JaxdecError("empty prompt: nothing to condition on")
+        check_ids([ids], self.cfg.vocab_size)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise JaxdecError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds "
+                              f"the engine's context of {self.max_model_len} tokens")
+        if -(-total // self.page_size) > self.pool.n_pages:
+            raise JaxdecError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs "
+                              f"{-(-total // self.page_size)} pages; the pool has {self.pool.n_pages}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise JaxdecError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, ids, params, priority=priority)
+        if arrival is not None:
+            request.arrival = arrival
+        self.requests[request_id] = request
+        self._streams[request_id] = TextStream(self.model.tokenizer, params.stop)
+        self._seeds[request_id] = params.seed if params.seed is not None else int(self._rng.integers(2**62))
+        self.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its row and pages are freed at once."""
+        r = self.requests.get(request_id)
+        if r is None or r.finished:
+            return
+        if r.status is Status.RUNNING:
+            self._release(r)
+            self.running.remove(r)
+        else:
+            self.waiting.remove(r)
+        out = self._finish(r, "abort", [], "", [])
+        self._aborted.append(out)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict:
+        """The counters a server exports: running, waiting, pages used and free, preemptions,
+        prefix-cache tokens hit and queried, tokens computed."""
+        return dict(running=len(self.running), waiting=len(self.waiting), pages_used=self.pool.n_used,
+                    pages_free=self.pool.n_free, pages_cached=self.pool.n_cached, **self.counters)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and commit one step -> the outputs of the requests it touched."""
+        outputs, self._aborted = self._aborted, []
+        plan = self._schedule()
+        self.last_step = dict(decode_rows=sum(n == 1 for _, n in plan),
+                              prefill_rows=sum(n > 1 for _, n in plan), tokens=sum(n for _, n in plan))
+        if plan:
+            self.counters["steps"] += 1
+            results = {}
+            for group in ([(r, n) for r, n in plan if n > 1], [(r, n) for r, n in plan if n == 1]):
+                if group:
+                    results.update(self._run(group, decode=group[0][1] == 1))
+            outputs += self._commit(plan, results)
+        for out in outputs:
+            if out.request_id in self._watched:
+                self._watched[out.request_id].append(out)
+        return outputs
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget, plan, preempted, chunks = self.max_num_batched_tokens, [], False, 0
+        scheduled = set()
+        for r in self.policy.admit_order(self.running):
+            if r.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(r.n_tokens - r.n_computed, budget)
+            if n > 1 and chunks == self.max_prefill_seqs:
+                continue
+            while not self._reserve(r, r.n_computed + n):
+                victim = self.policy.victim([x for x in self.running if x.id not in scheduled])
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if r.status is not Status.RUNNING:
+                continue
+            plan.append((r, n))
+            scheduled.add(r.id)
+            budget -= n
+            chunks += n > 1
+        if preempted:
+            return plan
+        for r in self.policy.admit_order(self.waiting):
+            if not self.free_rows or budget == 0:
+                break
+            keys = prefix_keys(r.all_ids, self.page_size)
+            hit = self.pool.match(keys)[:(r.n_tokens - 1) // self.page_size]
+            start = len(hit) * self.page_size
+            n = min(r.n_tokens - start, budget)
+            if n > 1 and chunks == self.max_prefill_seqs:
+                break
+            need = -(-(start + n) // self.page_size) - len(hit)
+            if need > self.pool.n_free - sum(int(self.pool.refs[p] == 0) for p in hit):
+                break  # head of the line waits for pages (FCFS order is kept)
+            self.pool.acquire(hit)
+            r.pages = hit + self.pool.allocate(need)
+            r.n_computed = r.n_cached = start
+            self._keys[r.id], self._published[r.id] = keys, len(hit)
+            self.counters["prefix_hit_tokens"] += start
+            self.counters["prefix_query_tokens"] += r.n_tokens
+            r.row = self.free_rows.pop()
+            self.table[r.row] = self.scratch
+            self.table[r.row, :len(r.pages)] = r.pages
+            r.status = Status.RUNNING
+            self.waiting.remove(r)
+            self.running.append(r)
+            plan.append((r, n))
+            budget -= n
+            chunks += n > 1
+        return plan
+
+    def _reserve(self, r: Request, n_tokens: int) -> bool:
+        """Give `r` pages for its first n_tokens tokens, if the pool has them."""
+        need = -(-n_tokens // self.page_size) - len(r.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.n_free:
+            return False
+        new = self.pool.allocate(need)
+        self.table[r.row, len(r.pages):len(r.pages) + need] = new
+        r.pages += new
+        return True
+
+    def _release(self, r: Request) -> None:
+        self.pool.release(r.pages)
+        r.pages = []
+        self.table[r.row] = self.scratch
+        self.free_rows.append(r.row)
+        r.row = None
+
+    def _preempt(self, r: Request) -> None:
+        """Free a running request's row and pages; it waits again, to be recomputed."""
+        self._release(r)
+        self.running.remove(r)
+        r.status, r.n_computed = Status.WAITING, 0
+        r.n_preempted += 1
+        self.counters["preemptions"] += 1
+        self.waiting.insert(0, r)
+
+    def buckets(self) -> dict[str, list[int]]:
+        """The compiled sizes: decode batches are [max_num_seqs, 1] over a page table as wide
+        as one of `decode_pages`; prefill batches [rows, chunk] over the whole table."""
+        def pow2s(lo, hi):
+            out = [min(lo, hi)]
+            while out[-1] < hi:
+                out.append(min(out[-1] * 2, hi))
+            return out
+        return dict(decode_pages=pow2s(4, self.pages_per_row),
+                    prefill_rows=pow2s(1, self.max_prefill_seqs),
+                    prefill_chunk=pow2s(32, _pow2(self.max_num_batched_tokens, 32, 1 << 30)))
+
+    def warmup(self) -> int:
+        """Compile every bucket now (padding only: nothing is written but the scratch page)
+        -> how many shapes; afterwards no prompt, length or setting compiles anything."""
+        sizes = self.buckets()
+        shapes = [(self.max_num_seqs, 1, p) for p in sizes["decode_pages"]]
+        shapes += [(b, c, self.pages_per_row) for b in sizes["prefill_rows"] for c in sizes["prefill_chunk"]]
+        for b, c, p in shapes:
+            self._launch([], b, c, p, decode=False)
+        return len(shapes)
+
+    def _run(self, group, *, decode: bool) -> dict:
+        """Run one batch of rows -> {request id: (token, logprob, top ids, top logprobs)}."""
+        sizes = self.buckets()
+        fit = lambda n, options: next(x for x in options if x >= n)
+        if decode:
+            widest = max(-(-(r.n_computed + n) // self.page_size) for r, n in group)
+            b, c, p = self.max_num_seqs, 1, fit(widest, sizes["decode_pages"])
+        else:
+            b, c = fit(len(group), sizes["prefill_rows"]), fit(max(n for _, n in group), sizes["prefill_chunk"])
+            p = self.pages_per_row
+        return self._launch(group, b, c, p, decode=decode)
+
+    def _launch(self, group, b: int, c: int, p: int, *, decode: bool) -> dict:
+        tokens, positions = np.zeros((b, c), np.int32), np.full((b, c), -1, np.int32)
+        lengths, last, counters = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        table = np.full((b, p), self.scratch, np.int32)
+        seeds = np.zeros((b, 2), np.uint32)
+        temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
+        top_p, min_p = np.ones(b, np.float32), np.zeros(b, np.float32)
+        where = {}
+        for i, (r, n) in enumerate(group):
+            row = r.row if decode else i
+            where[r.id] = row
+            tokens[row, :n] = r.all_ids[r.n_computed:r.n_computed + n]
+            positions[row, :n] = np.arange(r.n_computed, r.n_computed + n)
+            lengths[row], last[row], counters[row] = r.n_computed, n - 1, len(r.output_ids)
+            table[row] = self.table[r.row, :p]
+            seed = self._seeds[r.id]
+            seeds[row] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+            sp = r.params
+            temp[row], top_k[row], top_p[row], min_p[row] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        row_params = RowParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k),
+                               top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
+        sampled, chosen, (top_lp, top_ids), self.pools = run_rows(
+            self.model.params, self.pools, table, tokens, positions, lengths, last, row_params,
+            seeds, counters, cfg=self.cfg)
+        sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
+        return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
+                for rid, row in where.items()}
+
+    def _commit(self, plan, results) -> list[RequestOutput]:
+        now, outputs = time.monotonic(), []
+        for r, n in plan:
+            r.n_computed += n
+            self._publish(r)
+            self.counters["computed_tokens"] += n
+            if r.n_computed < r.n_tokens:  # mid-prompt: its sample is not a token
+                continue
+            token, lp, top_ids, top_lp = results[r.id]
+            r.output_ids.append(token)
+            r.token_times.append(now)
+            r.first_token_time = r.first_token_time or now
+            self.counters["generation_tokens"] += 1
+            stream = self._streams[r.id]
+            text = stream.put(token)
+            logprobs = [(lp, [(int(i), float(v)) for i, v in zip(top_ids, top_lp)])]
+            reason = None
+            if stream.stopped or (token in self.stop_ids and not r.params.ignore_eos) \
+                    or token in r.params.stop_token_ids:
+                reason = "stop"
+            elif len(r.output_ids) >= r.params.max_tokens:
+                reason = "length"
+            if reason is None:
+                outputs.append(RequestOutput(r.id, [token], text, False, None, logprobs, r))
+                continue
+            self._release(r)
+            self.running.remove(r)
+            outputs.append(self._finish(r, reason, [token], text, logprobs))
+        return outputs
+
+    def _finish(self, r: Request, reason: str, tokens, text: str, logprobs) -> RequestOutput:
+        text += self._streams[r.id].finish() if reason != "abort" else ""
+        r.status, r.finish_reason = Status.FINISHED, reason
+        for table in (self._keys, self._published):
+            table.pop(r.id, None)
+        return RequestOutput(r.id, tokens, text, True, reason, logprobs, r)
+
+    def _publish(self, r: Request) -> None:
+        """Publish the pages of `r` that its computed tokens filled (prefix caching)."""
+        full = min(r.n_computed // self.page_size, len(r.pages))
+        keys, done = self._keys[r.id], self._published[r.id]
+        if full <= done:
+            return
+        if len(keys) < full:
+            keys += prefix_keys(r.all_ids[len(keys) * self.page_size:full * self.page_size],
+                                self.page_size, keys[-1] if keys else b"")
+        for i in range(done, full):
+            self.pool.publish(r.pages[i], keys[i])
+        self._published[r.id] = full
+
+    # ---- conveniences -------------------------------------------------------------------------
+    def text(self, request_id: str) -> str:
+        """The output text of a request so far."""
+        return self._streams[request_id].text
+
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
+        """The outputs of one request as the engine steps (stepping it while it runs)."""
+        queue = self._watched.setdefault(request_id, [])
+        try:
+            while True:
+                while queue:
+                    out = queue.pop(0)
+                    yield out
+                    if out.finished:
+                        return
+                if self.requests[request_id].finished:
+                    return
+                self.step()
+        finally:
+            self._watched.pop(request_id, None)
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Request]:
+        """Run prompts (texts or token-id lists) to completion through the engine -> their
+        requests, in order (vLLM's `LLM.generate`). `text(request.id)` is each output text."""
+        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while any(not self.requests[i].finished for i in ids):
+            self.step()
+        return [self.requests[i] for i in ids]

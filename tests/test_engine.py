@@ -1,0 +1,194 @@
+"""The engine against plain generation: continuous batching with chunked prefill, prefix
+caching and preemption give `jaxdec.generate`'s greedy tokens on SmolLM2; seeded sampling
+does not depend on the requests beside it; a warm engine compiles nothing new; requests
+that can never run are refused at once in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxdec
+from conftest import assert_one_line_error, jax_model
+from jaxdec import api
+from jaxdec.engine.engine import Engine
+from jaxdec.engine.request import SamplingParams
+from jaxdec.engine.step import run_rows
+from jaxdec.errors import JaxdecError
+from tiny_hf import build, byte_tokenizer
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "日本語で自己紹介をしてください。",
+    "Once upon a time, in a land far away, there lived a dragon who " * 4,
+    "SELECT name, COUNT(*) FROM users GROUP BY",
+    "List three colours:",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return jax_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def reference(smol):
+    """jaxdec.generate's greedy tokens, each prompt alone (no batch padding involved)."""
+    return {p: list(jaxdec.generate(smol, [p], max_new_tokens=20).token_ids[0]) for p in PROMPTS}
+
+
+def divergence(model, prompt_ids, ours, theirs) -> str:
+    """Where two greedy continuations part, with the reference's top-2 logit gap there (a
+    near-tie or a bug)."""
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    logits = np.asarray(jaxdec.score(model, [prompt_ids + theirs[:i]]))[0, -1]
+    top = np.sort(logits)[-2:]
+    return f"first difference at token {i}: ours {ours[i:i + 3]}, generate's {theirs[i:i + 3]}, " \
+           f"top-2 gap there {top[1] - top[0]:.2e}"
+
+
+def test_continuous_batching_gives_generates_tokens(smol, reference):
+    """7 prompts through 3 rows with a 48-token budget: rows are reused, prompts run in
+    chunks, and steps mix decode tokens with prompt chunks."""
+    engine = Engine(smol, max_num_seqs=3, max_num_batched_tokens=48, page_size=16, max_model_len=256)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+    mixed = 0
+    while engine.has_unfinished():
+        before = {r.id: r.n_computed for r in engine.running}
+        engine.step()
+        mixed += engine.last_step["decode_rows"] > 0 and engine.last_step["prefill_rows"] > 0
+        assert engine.last_step["tokens"] <= 48
+    assert mixed > 0 and engine.counters["steps"] > 0
+    for p, rid in zip(PROMPTS, ids):
+        r = engine.requests[rid]
+        assert r.finished and r.finish_reason in ("stop", "length")
+        assert r.output_ids == reference[p], divergence(smol, r.prompt_ids, r.output_ids, reference[p])
+        assert engine.text(rid) == smol.tokenizer.decode(r.output_ids)
+    assert engine.stats()["pages_used"] == 0 and engine.stats()["running"] == 0
+
+
+def test_a_prefix_hit_gives_the_tokens_of_a_miss(smol):
+    shared = PROMPTS[4]
+    prompts = [shared + "The dragon's name was", shared + "One day, a knight"]
+    engine = Engine(smol, max_num_seqs=2, max_num_batched_tokens=64, page_size=16, max_model_len=256)
+    first = engine.generate(prompts[:1], SamplingParams(max_tokens=8))[0]
+    second = engine.generate(prompts[1:], SamplingParams(max_tokens=12))[0]
+    assert first.n_cached == 0
+    n_shared = len(smol.tokenizer.encode(shared))
+    assert second.n_cached >= (n_shared // 16 - 1) * 16 > 0, (second.n_cached, n_shared)
+    assert engine.stats()["prefix_hit_tokens"] == second.n_cached
+    miss = Engine(smol, max_num_seqs=1, max_num_batched_tokens=64, page_size=16, max_model_len=256)
+    fresh = miss.generate(prompts[1:], SamplingParams(max_tokens=12))[0]
+    assert fresh.n_cached == 0 and second.output_ids == fresh.output_ids
+    # the same prompt again: everything but the last page comes from the cache
+    again = engine.generate(prompts[1:], SamplingParams(max_tokens=12))[0]
+    assert again.n_cached >= len(again.prompt_ids) - 16 and again.output_ids == fresh.output_ids
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(smol, reference):
+    """A pool of 6 pages of 16 tokens for 3 rows of up to 60 tokens: requests are preempted
+    (the newest first), recomputed later, and still give generate's tokens; at over four
+    times the pool's capacity in requests, every one finishes."""
+    prompts = PROMPTS[:3] + PROMPTS[5:]
+    engine = Engine(smol, max_num_seqs=3, max_num_batched_tokens=64, page_size=16, num_pages=6,
+                    max_model_len=256)
+    results = engine.generate(prompts, SamplingParams(max_tokens=20))
+    assert engine.counters["preemptions"] > 0
+    assert any(r.n_preempted for r in results)
+    for p, r in zip(prompts, results):
+        assert r.output_ids == reference[p], divergence(smol, r.prompt_ids, r.output_ids, reference[p])
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_seeded_sampling_does_not_depend_on_its_neighbours(smol):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    alone = Engine(smol, max_num_seqs=4, max_num_batched_tokens=64, page_size=16, max_model_len=256)
+    solo = alone.generate([PROMPTS[0]], params)[0].output_ids
+    crowd = Engine(smol, max_num_seqs=4, max_num_batched_tokens=64, page_size=16, max_model_len=256)
+    others = [SamplingParams(max_tokens=n, temperature=1.0, seed=s) for n, s in ((5, 1), (19, 2), (9, None))]
+    out = crowd.generate([PROMPTS[3], PROMPTS[0], PROMPTS[4], PROMPTS[6]], [others[0], params, *others[1:]])
+    assert out[1].output_ids == solo
+    unseeded = crowd.generate([PROMPTS[0]] * 2, SamplingParams(max_tokens=16, temperature=0.9))
+    assert unseeded[0].output_ids != unseeded[1].output_ids  # a drawn seed each
+
+
+def test_stop_strings_stop_tokens_and_abort(smol, reference):
+    text = smol.tokenizer.decode(reference[PROMPTS[2]])
+    stop = text[12:17]  # inside the continuation, not at token boundaries in general
+    engine = Engine(smol, max_num_seqs=2, max_num_batched_tokens=64, page_size=16, max_model_len=256)
+    r = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=20, stop=(stop,)))[0]
+    assert r.finish_reason == "stop" and engine.text(r.id) == text[:text.index(stop)]
+    ref = reference[PROMPTS[0]]
+    token = ref[3]
+    r = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=20, stop_token_ids=(token,)))[0]
+    assert r.finish_reason == "stop" and r.output_ids == ref[:ref.index(token) + 1]
+    # abort: the request ends at once, its row and pages go back
+    rid = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=20))
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    used = engine.stats()["pages_used"]
+    engine.abort(rid)
+    assert engine.stats()["pages_used"] < used and engine.stats()["running"] == 1
+    outs = engine.step()
+    assert any(o.request_id == rid and o.finished and o.finish_reason == "abort" for o in outs)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_the_stream_of_one_request_while_others_run(smol, reference):
+    engine = Engine(smol, max_num_seqs=3, max_num_batched_tokens=64, page_size=16, max_model_len=256)
+    engine.add_request(PROMPTS[4], SamplingParams(max_tokens=20))
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20))
+    outs = list(engine.stream(rid))
+    assert outs[-1].finished and sum(1 for o in outs if o.finished) == 1
+    assert [t for o in outs for t in o.token_ids] == reference[PROMPTS[0]]
+    assert "".join(o.text for o in outs) == smol.tokenizer.decode(reference[PROMPTS[0]])
+    assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+    lp, top = outs[0].logprobs[0]
+    assert top[0][0] == outs[0].token_ids[0] and abs(top[0][1] - lp) < 1e-6 and lp <= 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    _, cfg, params = build("llama", seed=3)
+    return api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny")
+
+
+def test_a_warm_engine_compiles_nothing_new(tiny):
+    engine = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=160)
+    engine.warmup()
+    compiled = run_rows._cache_size()
+    rng = np.random.default_rng()
+    for n in (1, 2, 7, 31, 64, 65, 100):
+        for _ in range(2):
+            params = SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0, 0.7])),
+                                    top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
+                                    stop=tuple(rng.choice(["ab", "\n", "zz"], size=int(rng.integers(0, 3)))),
+                                    seed=int(rng.integers(1 << 40)))
+            engine.add_request(rng.integers(0, 256, n).tolist(), params)
+    while engine.has_unfinished():
+        engine.step()
+    assert run_rows._cache_size() == compiled
+
+
+def test_requests_that_can_never_run_are_refused_at_once(tiny):
+    engine = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=32, page_size=8, max_model_len=64,
+                    num_pages=4)
+    add = engine.add_request
+    assert_one_line_error(add, [1] * 60, SamplingParams(max_tokens=10), match="context of 64")
+    assert_one_line_error(add, [1] * 30, SamplingParams(max_tokens=10), match="the pool has 4")
+    assert_one_line_error(add, [], match="empty prompt")
+    assert_one_line_error(add, [1, 400], match="out of range")
+    rid = add([1, 2], request_id="x")
+    assert_one_line_error(add, [1, 2], request_id="x", match="already in use")
+    for bad, match in (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+                       ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop")):
+        with pytest.raises(JaxdecError, match=match):
+            SamplingParams(**bad)
+    assert_one_line_error(Engine, tiny, max_num_seqs=0, match="max_num_seqs")
+    assert_one_line_error(Engine, tiny, policy="lifo", match="unknown scheduling policy")
+    assert engine.waiting[0].id == rid and engine.stats()["waiting"] == 1

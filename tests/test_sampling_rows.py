@@ -1,0 +1,53 @@
+"""Per-row sampling settings as data (the engine's sampler) against `Sample` on each row
+alone, which is itself checked against HF's logits warpers (tests/test_sampling.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from jaxdec.sampling import Greedy, RowParams, Sample, filter_rows, sample_rows
+
+ROW = st.one_of(
+    st.just(Greedy()),
+    st.builds(Sample, temperature=st.floats(0.2, 2.0), top_k=st.sampled_from([0, 1, 3, 17, 64]),
+              top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]), min_p=st.sampled_from([0.0, 0.05, 0.3])))
+
+filter_jit = jax.jit(filter_rows)
+sample_jit = jax.jit(sample_rows)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(ROW, min_size=1, max_size=6), seed=st.integers(0, 2**31 - 1),
+       ties=st.booleans())
+def test_each_row_filters_and_draws_as_its_sampler_alone(rows, seed, ties):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3, (len(rows), 64)).astype(np.float32)
+    if ties:  # repeated values, where top-k and top-p must break ties as `Sample` does
+        logits = np.round(logits)
+    p = RowParams.of(rows)
+    got = np.asarray(filter_jit(jnp.asarray(logits), p))
+    keys = jax.random.split(jax.random.key(seed), len(rows))
+    drawn = np.asarray(sample_jit(jnp.asarray(logits), p, keys))
+    for r, s in enumerate(rows):
+        if isinstance(s, Greedy):
+            assert drawn[r] == np.argmax(logits[r])
+            continue
+        want = np.asarray(s.filter(jnp.asarray(logits[r:r + 1])))[0]
+        np.testing.assert_array_equal(np.isinf(got[r]), np.isinf(want))
+        np.testing.assert_allclose(got[r][~np.isinf(got[r])], want[~np.isinf(want)], rtol=1e-6)
+        assert drawn[r] == int(jax.random.categorical(keys[r], jnp.asarray(want)))
+        assert not np.isinf(want[drawn[r]])
+
+
+def test_a_rows_draw_does_not_depend_on_the_other_rows():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(0, 2, (4, 100)), jnp.float32)
+    rows = [Sample(temperature=1.0, top_p=0.9), Greedy(), Sample(temperature=0.7), Sample(top_k=5)]
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    full = np.asarray(sample_jit(logits, RowParams.of(rows), keys))
+    for r in range(4):
+        alone = np.asarray(sample_jit(logits[r:r + 1], RowParams.of(rows[r:r + 1]), keys[r:r + 1]))
+        assert alone[0] == full[r]
