@@ -357,16 +357,21 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
     n_rows = len(rows)
     if model.mesh is not None:  # fill the `data` axis with idle rows (token limit 0)
         rows = rows + [rows[0]] * _idle_rows(model, n_rows)
-    tokens, lens = pad_rows(rows, 32)
+    lens = np.array([len(r) for r in rows])
     check_context(model.cfg, int(lens.max()), max_new_tokens)
-    capacity = int(-(-(tokens.shape[1] + max_new_tokens) // 64) * 64)
+    # Fixed shapes: prompt widths, output buffers and stop sets are bucketed or data, so a
+    # sweep of prompt lengths, max_new_tokens and stop ids compiles nothing new once warm.
+    tokens, lens = pad_rows(rows, width=bucket(int(lens.max()), 32))
+    n_buffer = bucket(int(max_new_tokens), 16)
+    capacity = int(-(-(tokens.shape[1] + n_buffer) // 64) * 64)
     cache = init_cache(model, len(rows), capacity)
-    stops = tuple(sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids)))
+    stop_set = sorted(set(model.cfg.eos_ids if stop_ids is None else stop_ids))
+    stops = np.full(max(8, -(-len(stop_set) // 8) * 8), -1, np.int32)  # -1: no token
+    stops[:len(stop_set)] = stop_set
     limits = np.where(np.arange(len(rows)) < n_rows, max_new_tokens, 0).astype(np.int32)
     # host arrays go in as they are: jnp.asarray would compile a copy program per shape
-    args = (model.params, cache, tokens, lens, jax.random.key(seed), limits)
-    static = dict(sampler=sampler, cfg=model.cfg, max_new_tokens=int(max_new_tokens),
-                  stop_ids=stops)
+    args = (model.params, cache, tokens, lens, jax.random.key(seed), limits, stops)
+    static = dict(sampler=sampler, cfg=model.cfg, max_new_tokens=n_buffer)
     if stream is None:
         progress, _ = _run(model, decode.generate_tokens, *args, **static)
     else:
@@ -375,6 +380,17 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
         progress = _streamed(model, args, static, shown, stream_chunk)
     progress = sharding.to_host(progress)  # (from every device, in a multi-process run)
     return result(model, rows[:n_rows], progress.tokens, progress.n_generated, progress.stopped)
+
+
+def bucket(n: int, least: int) -> int:
+    """The compiled size for n: a power of two (at least `least`) up to 512, then a
+    multiple of 512."""
+    if n > 512:
+        return -(-n // 512) * 512
+    size = least
+    while size < n:
+        size *= 2
+    return size
 
 
 def result(model: Model, rows, tokens, n_generated, stopped, spec=None) -> GenerateResult:
@@ -393,7 +409,7 @@ def _streamed(model: Model, args, static, stream, chunk: int):
     to `_MAX_CHUNK` steps: every dispatch of the loop costs a few milliseconds of fixed
     overhead, which chunks of 4 did not hide.
     """
-    params, _, _, _, rng, limits = args
+    params, _, _, _, rng, limits, stops = args
     progress, cache = _run(model, decode.start, *args, **static)
     static = {k: v for k, v in static.items() if k != "max_new_tokens"}
     done = target = _emit(progress, stream, 0)  # the first id, before the loop is compiled
@@ -404,7 +420,7 @@ def _streamed(model: Model, args, static, stream, chunk: int):
         target += chunk  # known on the host: no need to wait for the device to pick it
         chunk = min(2 * chunk, _MAX_CHUNK)
         nxt, cache = _run(model, decode.advance, params, cache, pending, rng, limits, target,
-                          **static)
+                          stops, **static)
         done = _emit(pending, stream, done)  # reads `pending` while `nxt` runs
         if _finished(pending, done):
             return pending

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", "-p", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--no-stream", action="store_true", help="print the text when done")
+    g.add_argument("--engine", action="store_true",
+                   help="run through the serving engine (jaxdec.Engine: paged pool, chunked "
+                        "prefill); greedy text is the same, sampled text draws per request")
     g.add_argument("--draft", default=None, metavar="SRC",
                    help="speculative decoding: a trained drafter checkpoint (jaxdec distill), "
                         "a model (same vocabulary: a small-model drafter; another vocabulary: "

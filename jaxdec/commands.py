@@ -105,6 +105,8 @@ def generate(args) -> int:
     _prefetch_programs("generate", args)
     model = _load(args)
     drafter = _drafter(args, model)
+    if getattr(args, "engine", False):
+        return _generate_engine(args, model, drafter)
     if args.no_stream:
         t0 = time.perf_counter()
         res = jaxdec.generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -119,6 +121,34 @@ def generate(args) -> int:
     tail = printer.decoder.flush() if hasattr(printer.decoder, "flush") else ""
     sys.stdout.write(tail + "\n")
     print(f"[{printer.stats()}{_spec_line(res)}]", file=sys.stderr)
+    return 0
+
+
+def _generate_engine(args, model, drafter) -> int:
+    """`jaxdec generate --engine`: the prompt as one request of a `jaxdec.Engine`."""
+    from jaxdec.api import encode_prompts
+    from jaxdec.engine.engine import Engine
+    from jaxdec.engine.request import SamplingParams
+
+    if drafter is not None:
+        raise JaxdecError("--engine does not speculate yet: drop --draft")
+    if model.kv_cache != "dense":
+        raise JaxdecError(f"--engine keeps its own paged KV pool: drop --kv-cache {model.kv_cache}")
+    ids = encode_prompts(model, args.prompt, chat=args.chat)[0]
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    engine = Engine(model, max_num_seqs=1, max_model_len=len(ids) + args.max_new_tokens)
+    start, first, count, last = time.perf_counter(), None, 0, None
+    for out in engine.stream(engine.add_request(ids, params)):
+        now = time.perf_counter()
+        first, last, count = first or now, now, count + len(out.token_ids)
+        if not args.no_stream:
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    print(engine.text(engine.requests["req-0"].id) if args.no_stream else "")
+    rate = (count - 1) / (last - first) if count > 1 else float("nan")
+    print(f"[{count} tokens; time to first token {first - start:.2f} s (prefill, and compile on a "
+          f"cold cache); decode {rate:.1f} tok/s; engine]", file=sys.stderr)
     return 0
 
 

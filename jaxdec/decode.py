@@ -132,24 +132,26 @@ def _emit(p: Progress, tok, limits, stops) -> Progress:
                     n_generated=n_gen, stopped=p.stopped | hit, tokens=tokens))
 
 
-def stop_array(stop_ids: tuple[int, ...]) -> jax.Array:
-    return jnp.asarray(stop_ids or (-1,), jnp.int32)
+def stop_array(stop_ids: tuple[int, ...], stops=None) -> jax.Array:
+    """The stop ids as an array: `stops` (traced: i32[S], -1 as padding) when given, so a
+    new stop set compiles nothing, else the static `stop_ids`."""
+    return jnp.asarray(stop_ids or (-1,), jnp.int32) if stops is None else stops
 
 
 def _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg, max_new_tokens,
-           stop_ids):
+           stop_ids, stops=None):
     b = prompts.shape[0]
     logits, cache = prefill(params, cache, prompts, prompt_lens, cfg)
     empty = Progress(step=jnp.int32(0), last=jnp.zeros(b, jnp.int32), active=limits > 0,
                      n_generated=jnp.zeros(b, jnp.int32), stopped=jnp.zeros(b, bool),
                      tokens=jnp.full((b, max_new_tokens), -1, jnp.int32))
     first = sampler(logits, jax.random.fold_in(rng, 0))
-    return _emit(empty, first, limits, stop_array(stop_ids)), cache
+    return _emit(empty, first, limits, stop_array(stop_ids, stops)), cache
 
 
-def _advance(params, cache, p: Progress, rng, limits, stop_at, sampler, cfg, stop_ids):
+def _advance(params, cache, p: Progress, rng, limits, stop_at, sampler, cfg, stop_ids, stops=None):
     """Decode until step `stop_at` (or the buffer end), or until every row has stopped."""
-    stops, end = stop_array(stop_ids), jnp.minimum(stop_at, p.tokens.shape[1])
+    stops, end = stop_array(stop_ids, stops), jnp.minimum(stop_at, p.tokens.shape[1])
 
     def cond(carry):
         p, _ = carry
@@ -169,27 +171,28 @@ _STATIC = ("sampler", "cfg", "max_new_tokens", "stop_ids")
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",),
          compiler_options=COMPILER_OPTIONS)
-def start(params, cache, prompts, prompt_lens, rng, limits, *, sampler: Sampler,
+def start(params, cache, prompts, prompt_lens, rng, limits, stops=None, *, sampler: Sampler,
           cfg: ModelConfig, max_new_tokens: int, stop_ids: tuple[int, ...] = ()):
-    """Prefill right-padded prompts and sample each row's first id -> (Progress, cache)."""
+    """Prefill right-padded prompts and sample each row's first id -> (Progress, cache).
+    `stops` (i32[S], -1 padding), if given, are the stop ids instead of `stop_ids`."""
     return _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg,
-                  max_new_tokens, stop_ids)
+                  max_new_tokens, stop_ids, stops)
 
 
 @partial(jax.jit, static_argnames=("sampler", "cfg", "stop_ids"), donate_argnames=("cache",),
          compiler_options=COMPILER_OPTIONS)
-def advance(params, cache, progress: Progress, rng, limits, stop_at, *, sampler: Sampler,
-            cfg: ModelConfig, stop_ids: tuple[int, ...] = ()):
+def advance(params, cache, progress: Progress, rng, limits, stop_at, stops=None, *,
+            sampler: Sampler, cfg: ModelConfig, stop_ids: tuple[int, ...] = ()):
     """Continue a generation up to step `stop_at` (a traced scalar: one compile serves every
     chunk). Streaming calls this chunk after chunk, reading each chunk's ids while the next
     one runs."""
-    return _advance(params, cache, progress, rng, limits, stop_at, sampler, cfg, stop_ids)
+    return _advance(params, cache, progress, rng, limits, stop_at, sampler, cfg, stop_ids, stops)
 
 
 @partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",),
          compiler_options=COMPILER_OPTIONS)
-def generate_tokens(params, cache: dense.KVCache, prompts, prompt_lens, rng, limits, *,
-                    sampler: Sampler, cfg: ModelConfig, max_new_tokens: int,
+def generate_tokens(params, cache: dense.KVCache, prompts, prompt_lens, rng, limits,
+                    stops=None, *, sampler: Sampler, cfg: ModelConfig, max_new_tokens: int,
                     stop_ids: tuple[int, ...] = ()):
     """Prefill, then decode until every row stops, in one jit -> (Progress, cache).
 
@@ -198,5 +201,5 @@ def generate_tokens(params, cache: dense.KVCache, prompts, prompt_lens, rng, lim
     runs here in one call or chunk by chunk through `start` and `advance`.
     """
     p, cache = _start(params, cache, prompts, prompt_lens, rng, limits, sampler, cfg,
-                      max_new_tokens, stop_ids)
-    return _advance(params, cache, p, rng, limits, max_new_tokens, sampler, cfg, stop_ids)
+                      max_new_tokens, stop_ids, stops)
+    return _advance(params, cache, p, rng, limits, max_new_tokens, sampler, cfg, stop_ids, stops)

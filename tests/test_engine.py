@@ -192,3 +192,87 @@ def test_requests_that_can_never_run_are_refused_at_once(tiny):
     assert_one_line_error(Engine, tiny, max_num_seqs=0, match="max_num_seqs")
     assert_one_line_error(Engine, tiny, policy="lifo", match="unknown scheduling policy")
     assert engine.waiting[0].id == rid and engine.stats()["waiting"] == 1
+
+
+# ---- exactness under the issue's schedule ---------------------------------------------------
+def sixteen_prompts() -> list[str]:
+    """16 prompts: the fixed set, and 6 that share long prefixes with them (cache hits)."""
+    from jaxdec.prompts import PROMPTS as FIXED
+    shared = [FIXED[0] + " and", FIXED[0] + ", slowly,", FIXED[1] + "    left = ",
+              FIXED[4] + " the", FIXED[4] + " chlorophyll", FIXED[9] + " a cave"]
+    return list(FIXED) + shared
+
+
+def run_schedule(model, prompts, *, max_chunk, prefix, preempt_every=4, max_tokens=16):
+    """Arrivals two per step; every `preempt_every` steps the newest running request is
+    preempted (and recomputed later) -> {prompt index: output ids}, the engine."""
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=48, max_chunk=max_chunk,
+                    page_size=16, max_model_len=256, enable_prefix_caching=prefix, fill=float("nan"))
+    queue, ids, steps = list(enumerate(prompts)), {}, 0
+    while queue or engine.has_unfinished():
+        for i, p in queue[:2]:
+            ids[i] = engine.add_request(p, SamplingParams(max_tokens=max_tokens))
+        queue = queue[2:]
+        engine.step()
+        steps += 1
+        if steps % preempt_every == 0 and engine.running:
+            engine.preempt(max(engine.running, key=lambda r: r.arrival).id)
+    return {i: engine.requests[rid].output_ids for i, rid in ids.items()}, engine
+
+
+@pytest.mark.parametrize("model_name", ["smollm2", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+@pytest.mark.parametrize("max_chunk", [1, 7, 32])
+def test_exact_under_staggered_arrivals_chunks_and_forced_preemption(model_name, max_chunk, prefix):
+    model = jax_model(model_name)
+    prompts = sixteen_prompts()
+    ref = jaxdec.generate(model, prompts, max_new_tokens=16)
+    # one prompt token a step: preempting every 4 steps would recompute more than it runs
+    got, engine = run_schedule(model, prompts, max_chunk=max_chunk, prefix=prefix,
+                               preempt_every=4 if max_chunk > 1 else 16)
+    assert engine.counters["preemptions"] > 0
+    assert (engine.counters["prefix_hit_tokens"] > 0) == prefix
+    for i, p in enumerate(prompts):
+        want = list(ref.token_ids[i])
+        assert got[i] == want, divergence(model, list(ref.prompt_ids[i]), got[i], want)
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_generate_compiles_nothing_new_after_warmup(tiny):
+    """jaxdec.generate's (and generate_ids') shapes are bucketed (prompt width, output buffer) and its stop ids
+    are data: once each bucket ran, 20 random (prompt length, max tokens, stop set)
+    combinations compile nothing."""
+    from jaxdec import decode
+    for width, new in ((32, 16), (64, 16), (128, 16), (32, 32), (64, 32), (128, 32)):
+        api.generate_ids(tiny, [list(range(1, width + 1))], max_new_tokens=new)
+    compiled = decode.generate_tokens._cache_size()
+    rng = np.random.default_rng()
+    for _ in range(20):
+        prompt = rng.integers(0, 256, int(rng.integers(1, 129))).tolist()
+        stops = rng.integers(0, 300, int(rng.integers(0, 6))).tolist()
+        out = api.generate_ids(tiny, [prompt], max_new_tokens=int(rng.integers(1, 33)), stop_ids=stops)
+        assert len(out.token_ids[0]) >= 1
+    assert decode.generate_tokens._cache_size() == compiled
+
+
+def test_generate_stops_on_any_of_its_stop_ids_as_data(tiny):
+    """Stop ids as data still stop each row at its first stop id, as before."""
+    prompt = list(range(40, 60))
+    free = api.generate_ids(tiny, [prompt], max_new_tokens=24, stop_ids=[]).token_ids[0]
+    assert len(free) == 24
+    stop = free[5]
+    cut = api.generate_ids(tiny, [prompt], max_new_tokens=24, stop_ids=[stop, 299]).token_ids[0]
+    assert cut == free[:free.index(stop) + 1]
+
+
+def test_cli_generate_through_the_engine(reference):
+    """`jaxdec generate --engine` prints jaxdec.generate's greedy text, and refuses what
+    the engine cannot do in one line."""
+    from test_cli import assert_one_line_error as one_line, run
+    prompt = PROMPTS[0]
+    r = run("generate", "--engine", "-p", prompt, "--max-new-tokens", "20", "--no-stream")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == jax_model("smollm2").tokenizer.decode(reference[prompt])
+    assert "engine" in r.stderr
+    one_line(run("generate", "--engine", "--draft", "layers:8", "-p", prompt), "--engine")
+    one_line(run("generate", "--engine", "--kv-cache", "int8", "-p", prompt), "paged KV pool")

@@ -46,7 +46,7 @@ from jaxdec.engine import policy as policies
 from jaxdec.engine.detok import TextStream
 from jaxdec.engine.pages import PagePool, prefix_keys
 from jaxdec.engine.request import Request, SamplingParams, Status
-from jaxdec.engine.step import TOP_LOGPROBS, run_rows
+from jaxdec.engine.step import fill_pages, run_rows
 from jaxdec.errors import JaxdecError
 from jaxdec.sampling import RowParams
 
@@ -76,23 +76,29 @@ class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  max_model_len: int | None = None, page_size: int = 32, num_pages: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_prefill_seqs: int = 4, policy: str = "fcfs",
-                 seed: int = 0):
+                 max_chunk: int | None = None, enable_prefix_caching: bool = True,
+                 fill: float = 0.0, seed: int = 0):
         """`max_model_len` (default: the model's context, at most 4096) bounds prompt plus
         output; the pool has `num_pages` pages of `page_size` tokens (default: enough for
-        every row at full length, within `kv_cache_memory` bytes)."""
+        every row at full length, within `kv_cache_memory` bytes). `max_chunk` caps the
+        prompt tokens one request runs in one step (default: the budget). `fill` is what
+        unused pages hold at first (NaN in tests: it must never reach an output)."""
         cfg = model.cfg
         dense.check("paged", cfg.attention_impl, cfg)
         if any(cfg.window(i) is not None for i in range(cfg.n_layers)):
             raise JaxdecError("the engine does not serve sliding-window layers yet (Gemma 3): "
                               "use jaxdec.generate")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("page_size", page_size), ("max_prefill_seqs", max_prefill_seqs)):
+                            ("page_size", page_size), ("max_prefill_seqs", max_prefill_seqs),
+                            ("max_chunk", 1 if max_chunk is None else max_chunk)):
             if not isinstance(value, int) or value < 1:
                 raise JaxdecError(f"{name} must be a positive integer (got {value!r})")
         self.model, self.cfg = model, cfg
         self.max_model_len = min(max_model_len or 4096, cfg.max_position)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_prefill_seqs = min(max_prefill_seqs, max_num_seqs)
+        self.max_chunk = max_num_batched_tokens if max_chunk is None else max_chunk
+        self.prefix_caching, self.fill = enable_prefix_caching, fill
         self.page_size = page_size
         self.pages_per_row = -(-self.max_model_len // page_size)
         if num_pages is None:
@@ -125,8 +131,8 @@ class Engine:
 
     def _pool(self, layer: int, num_pages: int):
         shape = (self.cfg.kv_heads(layer), num_pages + 1, self.page_size, self.cfg.head_dim)
-        zeros = np.zeros(shape, self.model.dtype)
-        return (jax.device_put(zeros, may_alias=False), jax.device_put(zeros.copy(), may_alias=False))
+        empty = np.full(shape, self.fill, self.model.dtype)
+        return (jax.device_put(empty, may_alias=False), jax.device_put(empty.copy(), may_alias=False))
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -162,7 +168,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request now; its row and pages are freed at once."""
         r = self.requests.get(request_id)
-        if r is None or r.finished:
+        if r is None:
+            raise JaxdecError(f"no request {request_id!r} to abort")
+        if r.finished:
             return
         if r.status is Status.RUNNING:
             self._release(r)
@@ -206,7 +214,7 @@ class Engine:
         for r in self.policy.admit_order(self.running):
             if r.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(r.n_tokens - r.n_computed, budget)
+            n = min(r.n_tokens - r.n_computed, budget, self.max_chunk)
             if n > 1 and chunks == self.max_prefill_seqs:
                 continue
             while not self._reserve(r, r.n_computed + n):
@@ -227,9 +235,9 @@ class Engine:
             if not self.free_rows or budget == 0:
                 break
             keys = prefix_keys(r.all_ids, self.page_size)
-            hit = self.pool.match(keys)[:(r.n_tokens - 1) // self.page_size]
+            hit = self.pool.match(keys)[:(r.n_tokens - 1) // self.page_size] if self.prefix_caching else []
             start = len(hit) * self.page_size
-            n = min(r.n_tokens - start, budget)
+            n = min(r.n_tokens - start, budget, self.max_chunk)
             if n > 1 and chunks == self.max_prefill_seqs:
                 break
             need = -(-(start + n) // self.page_size) - len(hit)
@@ -266,10 +274,22 @@ class Engine:
 
     def _release(self, r: Request) -> None:
         self.pool.release(r.pages)
+        if self.fill != 0:  # a test's poison: freed pages that cache nothing take `fill`
+            freed = [p for p in r.pages if self.pool.refs[p] == 0 and not self.pool.caches(p)]
+            pages = np.full(self.pool.n_pages, self.scratch, np.int32)
+            pages[:len(freed)] = freed
+            self.pools = fill_pages(self.pools, pages, jnp.float32(self.fill))
         r.pages = []
         self.table[r.row] = self.scratch
         self.free_rows.append(r.row)
         r.row = None
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request now (as when pages run out): it is recomputed later."""
+        r = self.requests.get(request_id)
+        if r is None or r.status is not Status.RUNNING:
+            raise JaxdecError(f"no running request {request_id!r} to preempt")
+        self._preempt(r)
 
     def _preempt(self, r: Request) -> None:
         """Free a running request's row and pages; it waits again, to be recomputed."""

@@ -70,6 +70,10 @@ class PagePool:
         """Pages holding a published prefix (held or free)."""
         return len(self._key_of)
 
+    def caches(self, page: int) -> bool:
+        """Whether `page` holds a published prefix."""
+        return page in self._key_of
+
     def allocate(self, n: int) -> list[int]:
         """n pages nobody holds, least recently released first; the caller holds them."""
         if n > len(self._free):

@@ -94,3 +94,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def itl(self) -> list[float]:
+        """Seconds between consecutive output tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]

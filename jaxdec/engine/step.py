@@ -61,3 +61,11 @@ def run_rows(params, pools, table, tokens, positions, lengths, last, row_params:
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, sampled[:, None], axis=1)[:, 0]
     return sampled, chosen, jax.lax.top_k(logprobs, TOP_LOGPROBS), pools
+
+
+@partial(jax.jit, donate_argnames=("pools",))
+def fill_pages(pools, pages, value):
+    """The pools with pool pages `pages` (i32[n]; the scratch page as padding) set to
+    `value`: what a test writes into freed pages (NaN) to show they are never read."""
+    return tuple(None if p is None else tuple(x.at[:, pages].set(value.astype(x.dtype)) for x in p)
+                 for p in pools)
