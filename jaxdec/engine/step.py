@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdec.cache.dense import KVCache
+from jaxdec.decode import COMPILER_OPTIONS
 from jaxdec.cache.paged import PagedKVLayer
 from jaxdec.models import transformer
 from jaxdec.sampling import RowParams, sample_rows
@@ -48,7 +49,8 @@ def paged_cache(pools, table, lengths) -> KVCache:
     return KVCache(layers=tuple(entry(p) for p in pools), lengths=lengths)
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools",))
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools",),
+         compiler_options=COMPILER_OPTIONS)  # the pool updated in place, as decode's cache
 def run_rows(params, pools, table, tokens, positions, lengths, last, row_params: RowParams,
              seeds, counters, *, cfg):
     """-> (i32[B] sampled tokens, f32[B] their log-probabilities, the TOP_LOGPROBS most
