@@ -85,10 +85,11 @@ def test_smollm2_layouts_match_single_device(spec, smollm2_reference):
     assert len(held) == math.prod(sizes.values())
     assert set(held.values()) == {_expected_param_bytes(model.cfg, sizes)}
     cache = api.init_cache(model, 8, 64)
-    full = sum(x.nbytes for x in jax.tree.leaves(dense.init_cache(single.cfg, 8, 64)))
-    per_row_split = sizes.get("data", 1) * sizes.get("model", 1)  # rows over data, kv heads over model
-    lengths = 8 * 4 // sizes.get("data", 1)  # the i32 lengths split over data only
-    assert set(sharding.device_bytes(cache).values()) == {(full - 32) // per_row_split + lengths}
+    one = dense.init_cache(single.cfg, 8, 64)
+    data, split = sizes.get("data", 1), sizes.get("data", 1) * sizes.get("model", 1)
+    kv = sum(e.k.nbytes + e.v.nbytes for e in one.layers)  # rows over data, kv heads over model
+    rows_only = sum(e.pos.nbytes for e in one.layers) + one.lengths.nbytes  # slot positions, lengths: rows
+    assert set(sharding.device_bytes(cache).values()) == {kv // split + rows_only // data}
 
 
 @pytest.fixture(scope="module")
