@@ -142,13 +142,14 @@ def test_stop_strings_stop_tokens_and_abort(smol, reference):
 def test_the_stream_of_one_request_while_others_run(smol, reference):
     engine = Engine(smol, max_num_seqs=3, max_num_batched_tokens=64, page_size=16, max_model_len=256)
     engine.add_request(PROMPTS[4], SamplingParams(max_tokens=20))
-    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20))
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, logprobs=5))
     outs = list(engine.stream(rid))
     assert outs[-1].finished and sum(1 for o in outs if o.finished) == 1
     assert [t for o in outs for t in o.token_ids] == reference[PROMPTS[0]]
     assert "".join(o.text for o in outs) == smol.tokenizer.decode(reference[PROMPTS[0]])
     assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
     lp, top = outs[0].logprobs[0]
+    assert len(top) == 5 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
     assert top[0][0] == outs[0].token_ids[0] and abs(top[0][1] - lp) < 1e-6 and lp <= 0
 
 

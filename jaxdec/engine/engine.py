@@ -355,9 +355,10 @@ class Engine:
             temp[row], top_k[row], top_p[row], min_p[row] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         row_params = RowParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k),
                                top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
+        want_top = np.bool_(any(r.params.logprobs for r, _ in group))
         sampled, chosen, (top_lp, top_ids), self.pools = run_rows(
             self.model.params, self.pools, table, tokens, positions, lengths, last, row_params,
-            seeds, counters, cfg=self.cfg)
+            seeds, counters, want_top, cfg=self.cfg)
         sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
         return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
                 for rid, row in where.items()}
@@ -377,7 +378,8 @@ class Engine:
             self.counters["generation_tokens"] += 1
             stream = self._streams[r.id]
             text = stream.put(token)
-            logprobs = [(lp, [(int(i), float(v)) for i, v in zip(top_ids, top_lp)])]
+            n_top = r.params.logprobs or 0
+            logprobs = [(lp, [(int(i), float(v)) for i, v in zip(top_ids[:n_top], top_lp[:n_top])])]
             reason = None
             if stream.stopped or (token in self.stop_ids and not r.params.ignore_eos) \
                     or token in r.params.stop_token_ids:

@@ -33,6 +33,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None   # how many most likely alternatives to report per token
+
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -42,6 +44,8 @@ class SamplingParams:
             raise JaxdecError(f"seed must be in [0, 2**63) (got {self.seed})")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise JaxdecError(f"logprobs must be in [0, 20] (got {self.logprobs})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise JaxdecError("stop strings must be non-empty strings")
 

@@ -52,17 +52,27 @@ def paged_cache(pools, table, lengths) -> KVCache:
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools",),
          compiler_options=COMPILER_OPTIONS)  # the pool updated in place, as decode's cache
 def run_rows(params, pools, table, tokens, positions, lengths, last, row_params: RowParams,
-             seeds, counters, *, cfg):
+             seeds, counters, want_top, *, cfg):
     """-> (i32[B] sampled tokens, f32[B] their log-probabilities, the TOP_LOGPROBS most
-    likely tokens' (f32[B, n] log-probabilities, i32[B, n] ids), pools)."""
+    likely tokens' (f32[B, n] log-probabilities, i32[B, n] ids; zeros unless `want_top`,
+    a bool scalar), pools)."""
     h, cache = transformer.hidden(params, tokens, positions, paged_cache(pools, table, lengths), cfg)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     logits = transformer.logits_from_hidden(params, h_last)
-    sampled = sample_rows(logits, row_params, row_keys(seeds, counters))
+    # the vocabulary sort of sampling, and the top-k of log-probabilities, only when a row
+    # needs them: a greedy batch without logprobs takes neither (they cost more than a
+    # decode step of a small model)
+    sampled = jax.lax.cond(jnp.any(row_params.temperature > 0),
+                           lambda: sample_rows(logits, row_params, row_keys(seeds, counters)),
+                           lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
     pools = tuple(None if e is None else (e.k_pages, e.v_pages) for e in cache.layers)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, sampled[:, None], axis=1)[:, 0]
-    return sampled, chosen, jax.lax.top_k(logprobs, TOP_LOGPROBS), pools
+    b = logits.shape[0]
+    top = jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(logprobs, TOP_LOGPROBS)),
+                       lambda: (jnp.zeros((b, TOP_LOGPROBS), jnp.float32),
+                                jnp.zeros((b, TOP_LOGPROBS), jnp.int32)))
+    return sampled, chosen, top, pools
 
 
 @partial(jax.jit, donate_argnames=("pools",))
