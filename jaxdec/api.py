@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdec import decode, exec_cache, formats, sharding
-from jaxdec.batching import as_rows, check_context, check_ids, pad_rows
+from jaxdec.batching import as_rows, bucket, check_context, check_ids, pad_rows
 from jaxdec.cache import dense
 from jaxdec.checkpoint import hf_layout, orbax_io, params_cache, registry
 from jaxdec.config import ModelConfig
@@ -380,17 +380,6 @@ def generate_ids(model: Model, rows: list[list[int]], *, max_new_tokens: int,
         progress = _streamed(model, args, static, shown, stream_chunk)
     progress = sharding.to_host(progress)  # (from every device, in a multi-process run)
     return result(model, rows[:n_rows], progress.tokens, progress.n_generated, progress.stopped)
-
-
-def bucket(n: int, least: int) -> int:
-    """The compiled size for n: a power of two (at least `least`) up to 512, then a
-    multiple of 512."""
-    if n > 512:
-        return -(-n // 512) * 512
-    size = least
-    while size < n:
-        size *= 2
-    return size
 
 
 def result(model: Model, rows, tokens, n_generated, stopped, spec=None) -> GenerateResult:

@@ -25,6 +25,26 @@ def pad_rows(rows: Sequence[Sequence[int]], multiple: int = 1, *,
     return out, lens
 
 
+def bucket(n: int, least: int = 1, most: int | None = None) -> int:
+    """The compiled size for n (jaxdec.generate's and the engine's, so the two never drift):
+    a power of two, at least `least`, up to 512, then a multiple of 512; at most `most`."""
+    if n > 512:
+        size = -(-n // 512) * 512
+    else:
+        size = least
+        while size < n:
+            size *= 2
+    return size if most is None else min(size, most)
+
+
+def bucket_sizes(least: int, most: int) -> list[int]:
+    """Every size `bucket(n, least, most)` gives for n in [1, most], ascending."""
+    sizes = [bucket(1, least, most)]
+    while sizes[-1] < most:
+        sizes.append(bucket(sizes[-1] + 1, least, most))
+    return sizes
+
+
 def as_rows(token_ids) -> list[list[int]]:
     """A row, a batch of rows or an integer array [T] / [B, T] -> a list of int rows."""
     if hasattr(token_ids, "__array__") and not isinstance(token_ids, (list, tuple)):

@@ -1,6 +1,6 @@
 """The engine under load, each figure beside its reference in the same run.
 
-    python scripts/bench_engine.py --model smollm2 [--json out.json]
+    python scripts/bench_engine.py --model smollm2 [--parts decode,mixed,prefix] [--json out.json]
 
 1. **Batch-32 decode.** 32 concurrent greedy requests through the engine against the
    one-jit batch-32 decode that `jaxdec bench` times (`decode.start` + `decode.advance`,
@@ -152,8 +152,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default="decode,mixed,prefix", help="which of the three to run")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    parts = set(a.parts.split(","))
+    if not parts <= {"decode", "mixed", "prefix"}:
+        ap.error(f"--parts takes decode, mixed and prefix, not {a.parts}")
 
     import jaxdec
 
@@ -161,13 +165,24 @@ def main(argv=None) -> int:
     report = {"model": a.model, "weights": a.weights}
     prompt = model.tokenizer.encode("The history of the printing press begins")
 
-    one_jit = decode_rate_one_jit(model, prompt, a.batch, a.new_tokens)
-    eng = engine_decode_rate(model, prompt, a.batch, a.new_tokens)
-    report["decode"] = dict(batch=a.batch, one_jit_tok_s=round(one_jit, 1), engine_tok_s=round(eng, 1),
-                            ratio=round(eng / one_jit, 3))
-    print(f"batch-{a.batch} decode: engine {eng:.1f} tok/s, one-jit bench {one_jit:.1f} tok/s, "
-          f"ratio {eng / one_jit:.3f} (target >= 0.8)", flush=True)
+    if "decode" in parts:
+        one_jit = decode_rate_one_jit(model, prompt, a.batch, a.new_tokens)
+        eng = engine_decode_rate(model, prompt, a.batch, a.new_tokens)
+        report["decode"] = dict(batch=a.batch, one_jit_tok_s=round(one_jit, 1), engine_tok_s=round(eng, 1),
+                                ratio=round(eng / one_jit, 3))
+        print(f"batch-{a.batch} decode: engine {eng:.1f} tok/s, one-jit bench {one_jit:.1f} tok/s, "
+              f"ratio {eng / one_jit:.3f} (target >= 0.8)", flush=True)
+    if "mixed" in parts:
+        mixed(model, a, report)
+    if "prefix" in parts:
+        prefix_report(model, report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
 
+
+def mixed(model, a, report) -> None:
     load = workload(model, a.requests, a.rate, a.seed)
     t_engine, out_engine = run_engine(model, load, a.max_num_seqs)
     t_static, out_static = run_static(model, load, a.max_num_seqs)
@@ -179,16 +194,14 @@ def main(argv=None) -> int:
           f"batching {t_static:.1f} s, {t_static / t_engine:.2f}x (target >= 2); identical tokens "
           f"in {same}/{a.requests}", flush=True)
 
+
+def prefix_report(model, report) -> None:
     (first, second), cached, same = prefix_caching(model)
     report["prefix"] = dict(first_ttft_s=round(first, 3), second_ttft_s=round(second, 3),
                             ratio=round(second / first, 3), cached_tokens=cached, same_tokens=same)
     print(f"1000-token prompt: first prefill {first:.2f} s, repeated {second:.3f} s "
           f"({second / first:.3f}; target <= 0.1), {cached} tokens from the cache, "
           f"identical tokens: {same}", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

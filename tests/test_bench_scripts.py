@@ -180,3 +180,17 @@ def test_draft_vocab_coverage_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     shares = [float(line.split()[1].rstrip("%")) for line in r.stdout.splitlines()[2:]]
     assert len(shares) == 3 and shares == sorted(shares) and shares[-1] == 100.0, r.stdout
+
+
+def test_bench_engine_smoke(tmp_path):
+    """scripts/bench_engine.py at small sizes, each part: the report has every figure, and
+    the engine's tokens equal static batching's and the cache hit's equal the miss's."""
+    out = tmp_path / "engine.json"
+    r = subprocess.run([sys.executable, "scripts/bench_engine.py", "--batch", "4", "--new-tokens", "8",
+                        "--requests", "6", "--rate", "20", "--max-num-seqs", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["decode"]["engine_tok_s"] > 0 and report["decode"]["one_jit_tok_s"] > 0
+    assert report["mixed"]["same_tokens"] == 6 and report["mixed"]["engine_s"] > 0
+    assert report["prefix"]["same_tokens"] and report["prefix"]["cached_tokens"] >= 960

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.cache import entry, registry
+from jaxdec.cache.pages import PagePool
 from jaxdec.errors import JaxdecError
 from jaxdec.formats.kvquant import put_rows, take_rows
 
@@ -160,36 +161,36 @@ class PageAllocator:
 
 
 class FreeList(PageAllocator):
-    """A `PageAllocator` over a free list, with a reference count per page."""
+    """A `PageAllocator` over a `pages.PagePool` (a free list with a reference count per
+    page): rows' page tables for tests and the paged kind's up-front deal."""
 
     def __init__(self, batch: int, pages_per_row: int, pool_pages: int, seed: int | None = None):
         self.scratch = pool_pages
         self.table = np.full((batch, pages_per_row), pool_pages, np.int32)
         self.owned = [0] * batch  # logical pages each row holds
-        self.refs = np.zeros(pool_pages, np.int32)
-        order = np.arange(pool_pages, dtype=np.int32)
-        if seed is not None:
-            order = np.random.default_rng(seed).permutation(order).astype(np.int32)
-        self.free_pages = list(order[::-1])  # pop() hands them out in `order`
+        order = None if seed is None else np.random.default_rng(seed).permutation(pool_pages)
+        self.pool = PagePool(pool_pages, order=order)
+
+    @property
+    def refs(self) -> np.ndarray:
+        return self.pool.refs
+
+    @property
+    def free_pages(self) -> list[int]:
+        return self.pool.free_pages()
 
     def give(self, row: int, n: int) -> list[int]:
         have = self.owned[row]
         if have + n > self.table.shape[1]:
             raise JaxdecError(f"row {row} holds {have} of its {self.table.shape[1]} pages: "
                               f"{n} more do not fit its page table")
-        if n > len(self.free_pages):
-            raise JaxdecError(f"the page pool has {len(self.free_pages)} free pages, {n} were asked for")
-        pages = [self.free_pages.pop() for _ in range(n)]
+        pages = self.pool.allocate(n)
         self.table[row, have:have + n] = pages
-        self.refs[pages] += 1
         self.owned[row] = have + n
         return pages
 
     def free(self, row: int) -> None:
-        for page in self.table[row, :self.owned[row]]:
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                self.free_pages.append(page)
+        self.pool.release(list(self.table[row, :self.owned[row]]))
         self.table[row] = self.scratch
         self.owned[row] = 0
 
@@ -198,5 +199,5 @@ class FreeList(PageAllocator):
             raise JaxdecError(f"row {src} holds {self.owned[src]} pages, not {n} to share")
         self.free(dst)
         self.table[dst, :n] = self.table[src, :n]
-        self.refs[self.table[src, :n]] += 1
+        self.pool.acquire(list(self.table[src, :n]))
         self.owned[dst] = n

@@ -12,8 +12,8 @@ at character boundaries, so a character split across tokens is never emitted as 
 On top of it, the stream holds back the longest tail of the text that could still grow into
 a stop string, so a stop string that spans tokens never reaches the output: when one is
 completed, the output ends just before it and `stopped` is set (the stop string itself is
-not emitted, as in vLLM and OpenAI's API). The deltas joined always equal the text
-`reference_text` gives for the same tokens.
+not emitted, as in vLLM and OpenAI's API). The deltas joined equal the whole decode of the
+tokens cut before the first stop string completed (tests/test_engine_detok.py).
 """
 
 from __future__ import annotations
@@ -41,18 +41,6 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     if not ends:
         return text, False
     return text[:min(ends)[1]], True
-
-
-def reference_text(tokenizer, ids: Sequence[int], stops: Sequence[str] = ()) -> str:
-    """What a request's output text is, decoded whole: the definition the stream meets,
-    checked incrementally as `TextStream` does (the first stop completed wins)."""
-    text = ""
-    for i in range(len(ids)):
-        text = tokenizer.decode(list(ids[:i + 1]))
-        cut, hit = cut_at_stop(text, stops)
-        if hit:
-            return cut
-    return text
 
 
 class TextStream:

@@ -15,7 +15,7 @@ Each `step` schedules on the host, then runs the model once or twice (`step.run_
    budget goes. Then waiting requests are admitted in the policy's order while a row, the
    budget and pages allow (work-conserving: every step is filled while requests wait). An
    admitted request first takes the longest prefix of its tokens that the pool caches
-   (`pages.PagePool`), up to the page before its last token, which is always computed for
+   (`jaxdec.cache.pages.PagePool`), up to the page before its last token, which is always computed for
    its logits. When the pool has no page for a running request's next tokens, the policy's
    victim is preempted: its pages are released and it waits again at the front, to be
    recomputed from its prompt and the tokens it had generated. No request is admitted in
@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdec.batching import check_ids
+from jaxdec.batching import bucket, bucket_sizes, check_ids
 from jaxdec.cache import dense
 from jaxdec.engine import policy as policies
 from jaxdec.engine.detok import TextStream
-from jaxdec.engine.pages import PagePool, prefix_keys
+from jaxdec.cache.pages import PagePool, prefix_keys
 from jaxdec.engine.request import Request, SamplingParams, Status
 from jaxdec.engine.step import fill_pages, run_rows
 from jaxdec.errors import JaxdecError
@@ -62,14 +62,6 @@ class RequestOutput:
     finish_reason: str | None     # "stop", "length" or "abort"
     logprobs: list[tuple[float, list[tuple[int, float]]]]  # per new token: its own, the top ones
     request: Request              # the whole request: prompt, every output id, timings
-
-
-def _pow2(n: int, lo: int, hi: int) -> int:
-    """The smallest power of two >= n, at least lo, at most hi (hi itself if not a power)."""
-    size = lo
-    while size < n:
-        size *= 2
-    return min(size, hi)
 
 
 class Engine:
@@ -106,8 +98,9 @@ class Engine:
                              for i, (mixer, _) in enumerate(cfg.kinds) if mixer == "attention")
             num_pages = min(max_num_seqs * self.pages_per_row,
                             max(self.pages_per_row, kv_cache_memory // page_bytes))
-        self.pool = PagePool(num_pages, page_size)
+        self.pool = PagePool(num_pages)
         self.policy = policies.make(policy)
+        self.sizes = self.buckets()
         self.scratch = num_pages
         self.table = np.full((max_num_seqs, self.pages_per_row), self.scratch, np.int32)
         self.pools = tuple(self._pool(i, num_pages) if mixer == "attention" else None
@@ -234,7 +227,7 @@ class Engine:
         for r in self.policy.admit_order(self.waiting):
             if not self.free_rows or budget == 0:
                 break
-            keys = prefix_keys(r.all_ids, self.page_size)
+            keys = self._page_keys(r, r.n_tokens // self.page_size)
             hit = self.pool.match(keys)[:(r.n_tokens - 1) // self.page_size] if self.prefix_caching else []
             start = len(hit) * self.page_size
             n = min(r.n_tokens - start, budget, self.max_chunk)
@@ -246,7 +239,7 @@ class Engine:
             self.pool.acquire(hit)
             r.pages = hit + self.pool.allocate(need)
             r.n_computed = r.n_cached = start
-            self._keys[r.id], self._published[r.id] = keys, len(hit)
+            self._published[r.id] = len(hit)
             self.counters["prefix_hit_tokens"] += start
             self.counters["prefix_query_tokens"] += r.n_tokens
             r.row = self.free_rows.pop()
@@ -301,21 +294,17 @@ class Engine:
         self.waiting.insert(0, r)
 
     def buckets(self) -> dict[str, list[int]]:
-        """The compiled sizes: decode batches are [max_num_seqs, 1] over a page table as wide
-        as one of `decode_pages`; prefill batches [rows, chunk] over the whole table."""
-        def pow2s(lo, hi):
-            out = [min(lo, hi)]
-            while out[-1] < hi:
-                out.append(min(out[-1] * 2, hi))
-            return out
-        return dict(decode_pages=pow2s(4, self.pages_per_row),
-                    prefill_rows=pow2s(1, self.max_prefill_seqs),
-                    prefill_chunk=pow2s(32, _pow2(self.max_num_batched_tokens, 32, 1 << 30)))
+        """The compiled sizes (`batching.bucket`): decode batches are [max_num_seqs, 1] over
+        a page table as wide as one of `decode_pages`; prefill batches [rows, chunk] over
+        the whole table."""
+        return dict(decode_pages=bucket_sizes(4, self.pages_per_row),
+                    prefill_rows=bucket_sizes(1, self.max_prefill_seqs),
+                    prefill_chunk=bucket_sizes(32, bucket(min(self.max_chunk, self.max_num_batched_tokens), 32)))
 
     def warmup(self) -> int:
         """Compile every bucket now (padding only: nothing is written but the scratch page)
         -> how many shapes; afterwards no prompt, length or setting compiles anything."""
-        sizes = self.buckets()
+        sizes = self.sizes
         shapes = [(self.max_num_seqs, 1, p) for p in sizes["decode_pages"]]
         shapes += [(b, c, self.pages_per_row) for b in sizes["prefill_rows"] for c in sizes["prefill_chunk"]]
         for b, c, p in shapes:
@@ -324,7 +313,7 @@ class Engine:
 
     def _run(self, group, *, decode: bool) -> dict:
         """Run one batch of rows -> {request id: (token, logprob, top ids, top logprobs)}."""
-        sizes = self.buckets()
+        sizes = self.sizes
         fit = lambda n, options: next(x for x in options if x >= n)
         if decode:
             widest = max(-(-(r.n_computed + n) // self.page_size) for r, n in group)
@@ -353,8 +342,8 @@ class Engine:
             seeds[row] = (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
             sp = r.params
             temp[row], top_k[row], top_p[row], min_p[row] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-        row_params = RowParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k),
-                               top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p))
+        # host arrays go in as they are (jnp.asarray would be a transfer program per array)
+        row_params = RowParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
         want_top = np.bool_(any(r.params.logprobs for r, _ in group))
         sampled, chosen, (top_lp, top_ids), self.pools = run_rows(
             self.model.params, self.pools, table, tokens, positions, lengths, last, row_params,
@@ -404,15 +393,22 @@ class Engine:
     def _publish(self, r: Request) -> None:
         """Publish the pages of `r` that its computed tokens filled (prefix caching)."""
         full = min(r.n_computed // self.page_size, len(r.pages))
-        keys, done = self._keys[r.id], self._published[r.id]
+        done = self._published[r.id]
         if full <= done:
             return
-        if len(keys) < full:
-            keys += prefix_keys(r.all_ids[len(keys) * self.page_size:full * self.page_size],
-                                self.page_size, keys[-1] if keys else b"")
+        keys = self._page_keys(r, full)
         for i in range(done, full):
             self.pool.publish(r.pages[i], keys[i])
         self._published[r.id] = full
+
+    def _page_keys(self, r: Request, n: int) -> list[bytes]:
+        """The prefix keys of r's first n full pages, computed once per request (they depend
+        on its tokens only, so they outlive a preemption)."""
+        keys = self._keys.setdefault(r.id, [])
+        if len(keys) < n:
+            ps = self.page_size
+            keys += prefix_keys(r.all_ids[len(keys) * ps:n * ps], ps, keys[-1] if keys else b"")
+        return keys[:n]
 
     # ---- conveniences -------------------------------------------------------------------------
     def text(self, request_id: str) -> str:

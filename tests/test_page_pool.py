@@ -17,7 +17,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxdec.engine.pages import PagePool, prefix_keys
+from jaxdec.cache.pages import PagePool, prefix_keys
 from jaxdec.errors import JaxdecError
 
 PAGE = 4
@@ -27,7 +27,7 @@ BASES = [tuple(np.random.default_rng(s).integers(0, 50, 24).tolist()) for s in r
 class Pool(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(n_pages=12, page_size=PAGE)
+        self.pool = PagePool(n_pages=12)
         self.live: dict[int, dict] = {}   # request -> {"tokens", "pages", "published"}
         self.held: dict[int, tuple] = {}  # page -> the tokens written into it
         self.next_id = 0
@@ -106,7 +106,7 @@ TestPagePool.settings = settings(max_examples=60, stateful_step_count=40, deadli
 
 
 def test_a_freed_prefix_is_hit_until_its_pages_are_reused():
-    pool = PagePool(n_pages=4, page_size=2)
+    pool = PagePool(n_pages=4)
     prompt = [5, 6, 7, 8, 9]
     keys = prefix_keys(prompt, 2)
     assert len(keys) == 2 and keys[1] != hashlib.sha256(np.int32([7, 8]).tobytes()).digest()
@@ -124,7 +124,7 @@ def test_a_freed_prefix_is_hit_until_its_pages_are_reused():
 
 
 def test_misuse_is_a_one_line_error():
-    pool = PagePool(n_pages=2, page_size=2)
+    pool = PagePool(n_pages=2)
     with pytest.raises(JaxdecError, match="free pages"):
         pool.allocate(3)
     with pytest.raises(JaxdecError, match="released more often"):

@@ -1,7 +1,8 @@
-"""The engine's page pool: which pages of the KV pool hold what, decided on the host.
+"""A page pool: which pages of a paged KV pool hold what, decided on the host. The engine's
+allocator and prefix cache, and under `paged.FreeList` the row tables of the tests.
 
-    pool = PagePool(n_pages=512, page_size=32)
-    keys = prefix_keys(prompt_ids, pool.page_size)     # one key per full page of the prompt
+    pool = PagePool(n_pages=512)
+    keys = prefix_keys(prompt_ids, page_size=32)       # one key per full page of the prompt
     hit = pool.match(keys)                             # cached pages of its longest prefix
     pool.acquire(hit)                                  # the request holds them now
     pages = hit + pool.allocate(n_more)                # fresh pages for the rest
@@ -46,12 +47,14 @@ def prefix_keys(tokens: Sequence[int], page_size: int, parent: bytes = b"") -> l
 class PagePool:
     """Reference-counted pages with a free queue in LRU order and a prefix cache."""
 
-    def __init__(self, n_pages: int, page_size: int):
-        if n_pages < 1 or page_size < 1:
-            raise JaxdecError(f"a page pool needs pages and a page size, got {n_pages} pages of {page_size}")
-        self.n_pages, self.page_size = int(n_pages), int(page_size)
+    def __init__(self, n_pages: int, order: Sequence[int] | None = None):
+        """`order`: the order the pages are first handed out in (default 0, 1, ...)."""
+        if n_pages < 1:
+            raise JaxdecError(f"a page pool needs at least one page, got {n_pages}")
+        self.n_pages = int(n_pages)
         self.refs = np.zeros(self.n_pages, np.int32)
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(self.n_pages))
+        order = range(self.n_pages) if order is None else [int(p) for p in order]
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(order)
         self._key_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self.evictions = 0  # cached pages reused for other tokens
@@ -60,6 +63,10 @@ class PagePool:
     def n_free(self) -> int:
         """Pages nobody holds (cached ones among them)."""
         return len(self._free)
+
+    def free_pages(self) -> list[int]:
+        """The pages nobody holds, in the order `allocate` takes them."""
+        return list(self._free)
 
     @property
     def n_used(self) -> int:
