@@ -187,10 +187,11 @@ def test_bench_engine_smoke(tmp_path):
     the engine's tokens equal static batching's and the cache hit's equal the miss's."""
     out = tmp_path / "engine.json"
     r = subprocess.run([sys.executable, "scripts/bench_engine.py", "--batch", "4", "--new-tokens", "8",
-                        "--requests", "6", "--rate", "20", "--max-num-seqs", "2", "--json", str(out)],
+                        "--pairs", "2", "--requests", "6", "--rate", "20", "--max-num-seqs", "2", "--json", str(out)],
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["decode"]["engine_tok_s"] > 0 and report["decode"]["one_jit_tok_s"] > 0
+    assert len(report["decode"]["pairs"]) == 2 and report["decode"]["median_ratio"] > 0
+    assert all(p["engine_tok_s"] > 0 and p["one_jit_tok_s"] > 0 for p in report["decode"]["pairs"])
     assert report["mixed"]["same_tokens"] == 6 and report["mixed"]["engine_s"] > 0
     assert report["prefix"]["same_tokens"] and report["prefix"]["cached_tokens"] >= 960

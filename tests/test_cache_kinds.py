@@ -289,3 +289,28 @@ def test_a_new_kind_is_one_registration(tiny):
         np.testing.assert_array_equal(got, want)
     finally:
         registry.unregister("counting")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantised_page_pool_stores_what_its_kind_stores(kind):
+    """A paged entry over an int8/int4 pool (the engine's) quantises each token as the int8
+    and int4 kinds do: after the same random writes (two chunks, rows through shuffled
+    tables, pages nobody holds NaN), its view is theirs to the bit, and so is a decode step's
+    attention over it."""
+    from jaxdec.cache.quantized import QuantKVLayer
+
+    rng = np.random.default_rng()
+    b, kh, h, ps, per_row, n_pool = 3, 2, 64, 8, 4, 16
+    pool = lambda: jax.device_put(paged.page_pool(kh, h, n_pool, ps, jnp.float32, quant=kind, fill=np.nan))
+    table = rng.permutation(n_pool)[:b * per_row].reshape(b, per_row).astype(np.int32)
+    pages = paged.PagedKVLayer(k_pages=pool(), v_pages=pool(), page_table=jnp.asarray(table),
+                               pos=jnp.full((b, per_row * ps + 1), -1, jnp.int32))
+    flat = QuantKVLayer.empty(kind, b, kh, h, per_row * ps + 1, jnp.float32)
+    for start, t in ((0, 11), (11, 1)):
+        k, v = (jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32) for _ in range(2))
+        positions = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
+        pages, flat = pages.write(k, v, positions, positions), flat.write(k, v, positions, positions)
+    for ours, theirs in zip(pages.view(jnp.float32), flat.view(jnp.float32)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    q, q_pos = jnp.asarray(rng.standard_normal((b, kh * 3, h)), jnp.float32), jnp.full((b,), 11, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(pages.attend(q, q_pos, "xla")), np.asarray(flat.attend(q, q_pos, "xla")))

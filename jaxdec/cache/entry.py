@@ -174,7 +174,7 @@ class Slotted:
             else:
                 seen = kv.with_chunk(kv.before(positions, window) if past is None else past,
                                      slots, positions, mask)
-            return layers.attention(q, (*kv.view(q.dtype), seen)), kv
+            return kv.attention(q, seen), kv
         seen = self.before(positions, window) if past is None else past
         out = layers.attention(q, (*self.view(q.dtype), seen),
                                (k.swapaxes(1, 2), v.transpose(0, 2, 3, 1), mask))
@@ -186,9 +186,13 @@ class Slotted:
         kind without a kernel), else the kind's Pallas `kernel`, which reads slots
         [0, q_pos] (valid where slot == position: the append kinds)."""
         if impl == "xla" or window is not None or self.kernel is None:
-            seen = self.visible(q_pos[:, None], window)
-            return layers.attention(q[:, None], (*self.view(q.dtype), seen))[:, 0]
+            return self.attention(q[:, None], self.visible(q_pos[:, None], window))[:, 0]
         return self.kernel(q, jnp.where(q_pos >= 0, q_pos + 1, 0))
+
+    def attention(self, q, seen: jax.Array) -> jax.Array:
+        """`layers.attention` of q [B, T, N, H] over the slots `seen` (bool[B, T, S + 1])
+        shows, of the entry's view; a kind that can read its storage in place overrides it."""
+        return layers.attention(q, (*self.view(q.dtype), seen))
 
     def bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(self))

@@ -7,7 +7,9 @@ Logical slot s of row b lives in pool page `page_table[b, s // page_size]` at of
 a `PageAllocator` (`give`, `free`, `share`) and installed with `with_table`; the engine
 builds its allocator on this interface. The pool holds one extra page at its end, the
 scratch page: padding, tokens past the capacity and table entries a row was not given
-point there, so every scatter index is in bounds. Slots keep their positions per row (as
+point there, so every scatter index is in bounds. A pool holds keys and values in the
+activation dtype, or quantised (`QuantKV` codes with a scale per token and group of
+channels, the int8 and int4 kinds' format, `page_pool`): more tokens per byte. Slots keep their positions per row (as
 every slotted kind, `entry.Slotted`), so rows that share pages each know what they see,
 and pages nobody was given may hold anything (NaN included) without changing an output.
 """
@@ -15,6 +17,7 @@ and pages nobody was given may hold anything (NaN included) without changing an 
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -22,29 +25,47 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.cache import entry, registry
+from jaxdec.cache.quantized import kind_format
 from jaxdec.cache.pages import PagePool
 from jaxdec.errors import JaxdecError
-from jaxdec.formats.kvquant import put_rows, take_rows
+from jaxdec.formats.kvquant import QuantKV, dequantize_kv, empty_kv, put_rows, quantize_like, take_rows
+from jaxdec.ops import cpu_kernel
 
 PAGE_SIZE = 32
+
+
+Pool = jax.Array | QuantKV  # pages [K, P + 1, page_size, H] (a QuantKV: of that logical shape)
+
+
+def _leaf(pool: Pool) -> jax.Array:
+    return pool.codes if isinstance(pool, QuantKV) else pool
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages", "page_table", "pos"],
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PagedKVLayer(entry.Slotted):
-    k_pages: jax.Array  # [K, P + 1, page_size, H]: P pool pages, then the scratch page
-    v_pages: jax.Array  # [K, P + 1, page_size, H]
+    k_pages: Pool  # [K, P + 1, page_size, H]: P pool pages, then the scratch page
+    v_pages: Pool  # [K, P + 1, page_size, H]
     page_table: jax.Array  # i32[B, pages_per_row]: pool page of each row's logical page
     pos: jax.Array  # i32[B, pages_per_row * page_size + 1]: by logical slot
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[2]
+        return _leaf(self.k_pages).shape[2]
 
     @property
     def scratch_page(self) -> int:
-        return self.k_pages.shape[1] - 1
+        return _leaf(self.k_pages).shape[1] - 1
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.k_pages, QuantKV)
+
+    @property
+    def writes_first(self) -> bool:
+        """A quantised pool's chunks attend to their own keys as stored (as the int8 kind)."""
+        return self.quantized
 
     @classmethod
     def axes(cls):
@@ -63,9 +84,11 @@ class PagedKVLayer(entry.Slotted):
         at = self.where(slots, positions)
         page, offset = self._pages(at)
 
-        def put(pool, new):  # pool [K, P+1, ps, H], new [B, T, K, H]
-            return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
-                                                mode="promise_in_bounds")
+        def put(pool, new):  # pool [K, P+1, ps, H], new [B, T, K, H]: each of their fields
+            if isinstance(pool, QuantKV):
+                new = jax.tree.map(lambda x: x.swapaxes(1, 2), quantize_like(pool, new.swapaxes(1, 2)))
+            return jax.tree.map(lambda p, n: p.at[:, page, offset].set(jnp.moveaxis(n, 2, 0).astype(p.dtype),
+                                                                       mode="promise_in_bounds"), pool, new)
 
         pos = put_rows(self.pos, jnp.where(at == self.capacity, -1, positions), at, 0)
         return dataclasses.replace(self, k_pages=put(self.k_pages, k), v_pages=put(self.v_pages, v), pos=pos)
@@ -73,26 +96,44 @@ class PagedKVLayer(entry.Slotted):
     def move(self, src, dst):
         src_at, dst_at = self.where(src, src), self.where(dst, dst)
         (sp, so), (dp, do) = self._pages(src_at), self._pages(dst_at)
-        move = lambda pool: pool.at[:, dp, do].set(pool[:, sp, so], mode="promise_in_bounds")
+        move = lambda pool: jax.tree.map(lambda p: p.at[:, dp, do].set(p[:, sp, so], mode="promise_in_bounds"),
+                                         pool)
         pos = jnp.where(dst_at == self.capacity, -1, take_rows(self.pos, src_at, 0))
         return dataclasses.replace(self, k_pages=move(self.k_pages), v_pages=move(self.v_pages),
                                    pos=put_rows(self.pos, pos, dst_at, 0))
 
     def view(self, dtype):
         """The entry as a dense one's (k [B, K, S + 1, H], v [B, K, H, S + 1]): a gather of
-        every row's pages, empty slots zeroed (a page may hold NaN where nobody wrote)."""
-        k_heads, _, ps, h = self.k_pages.shape
+        every row's pages (dequantised), empty slots zeroed (a page may hold NaN where
+        nobody wrote)."""
         b, per_row = self.page_table.shape
         live = (self.pos >= 0)[:, None, :, None]
 
-        def gather(pool):  # -> [B, K, S + 1, H]
-            rows = jnp.moveaxis(pool[:, self.page_table], 0, 1).reshape(b, k_heads, per_row * ps, h)
-            rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 1), (0, 0)))
-            return jnp.where(live, rows, jnp.zeros((), rows.dtype)).astype(dtype)
+        def rows(field):  # [K, P+1, ps, X] -> [B, K, S + 1, X]
+            k_heads, _, ps, x = field.shape
+            out = jnp.moveaxis(field[:, self.page_table], 0, 1).reshape(b, k_heads, per_row * ps, x)
+            return jnp.pad(out, ((0, 0), (0, 0), (0, 1), (0, 0)))
+
+        def gather(pool):
+            x = jax.tree.map(rows, pool)
+            x = dequantize_kv(x) if isinstance(x, QuantKV) else x
+            return jnp.where(live, x, jnp.zeros((), x.dtype)).astype(dtype)
 
         return gather(self.k_pages), gather(self.v_pages).swapaxes(2, 3)
 
+    def attention(self, q, seen):
+        """Short chunks (decode steps) on the CPU kernel read the visible slots in their
+        pages (`cpu_kernel.paged_attention`, the dense kernel's sums); others, and a
+        quantised pool, the view."""
+        if self.quantized:
+            return super().attention(q, seen)
+        return cpu_kernel.paged_attention(
+            q, self.k_pages, self.v_pages, self.page_table, seen[:, :, :-1], scale=1.0 / math.sqrt(q.shape[-1]),
+            xla=lambda: super(PagedKVLayer, self).attention(q, seen)).astype(q.dtype)
+
     def kernel(self, q, lengths):
+        if self.quantized:
+            raise JaxdecError("no Pallas kernel reads a quantised page pool yet: use attention_impl='xla'")
         from pallas_kernels.paged_attention import paged_attention
         return paged_attention(q, self.k_pages, self.v_pages, self.page_table, lengths,
                                **entry.pallas_run())
@@ -119,6 +160,19 @@ def _make(cfg, layer, batch, max_len, dtype, **options):
     return empty(batch, cfg.kv_heads(layer), cfg.head_dim, max_len, dtype, **options)
 
 
+def page_pool(k_heads: int, head_dim: int, pages: int, page_size: int, dtype, *, quant: str | None = None,
+              fill: float = 0.0) -> Pool:
+    """A pool of `pages` pages plus the scratch page, on the host: keys (or values) in
+    `dtype` filled with `fill`, or with `quant` ("int8" or "int4") the codes of that cache
+    kind (zero) with its scales and offsets in `dtype` filled with `fill` (NaN: every slot
+    reads as NaN until written)."""
+    shape = (k_heads, pages + 1, page_size, head_dim)
+    if quant is None:
+        return np.full(shape, fill, dtype)
+    codes = jax.eval_shape(lambda: empty_kv(*shape, scale_dtype=dtype, **kind_format(quant, head_dim)))
+    return jax.tree.map(lambda s: np.full(s.shape, 0 if s.dtype.kind in "iu" else fill, s.dtype), codes)
+
+
 def empty(batch: int, k_heads: int, head_dim: int, max_len: int, dtype, page_size: int = PAGE_SIZE,
           pool_pages: int | None = None, fill: float = 0.0, seed: int = 0) -> PagedKVLayer:
     """An empty paged entry for `batch` rows of up to `max_len` tokens over a pool of
@@ -135,7 +189,7 @@ def empty(batch: int, k_heads: int, head_dim: int, max_len: int, dtype, page_siz
     if pool_pages >= batch * per_row:
         for row in range(batch):
             allocator.give(row, per_row)
-    pool = np.full((k_heads, pool_pages + 1, page_size, head_dim), fill, dtype)
+    pool = page_pool(k_heads, head_dim, pool_pages, page_size, dtype, fill=fill)
     put = lambda x: jax.device_put(x, may_alias=False)
     return PagedKVLayer(k_pages=put(pool), v_pages=put(pool.copy()), page_table=put(allocator.table),
                         pos=put(np.full((batch, per_row * page_size + 1), -1, np.int32)))

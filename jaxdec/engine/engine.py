@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxdec.batching import bucket, bucket_sizes, check_ids
 from jaxdec.cache import dense
+from jaxdec.cache.paged import page_pool
 from jaxdec.engine import policy as policies
 from jaxdec.engine.detok import TextStream
 from jaxdec.cache.pages import PagePool, prefix_keys
@@ -49,6 +50,10 @@ from jaxdec.engine.request import Request, SamplingParams, Status
 from jaxdec.engine.step import fill_pages, run_rows
 from jaxdec.errors import JaxdecError
 from jaxdec.sampling import RowParams
+
+
+# The model's cache kind -> the engine's page pool: in the activation dtype, or quantised.
+POOLS = {"dense": None, "paged": None, "int8": "int8", "int4": "int4"}
 
 
 @dataclasses.dataclass
@@ -77,6 +82,12 @@ class Engine:
         unused pages hold at first (NaN in tests: it must never reach an output)."""
         cfg = model.cfg
         dense.check("paged", cfg.attention_impl, cfg)
+        if model.kv_cache not in POOLS:
+            raise JaxdecError(f"the engine keeps keys and values in a page pool in the activation dtype "
+                              f"(kv_cache 'dense' or 'paged'), int8 or int4, not {model.kv_cache!r}")
+        self.quant = POOLS[model.kv_cache]
+        if self.quant and cfg.attention_impl != "xla":
+            raise JaxdecError("no Pallas kernel reads a quantised page pool yet: use attention_impl='xla'")
         if any(cfg.window(i) is not None for i in range(cfg.n_layers)):
             raise JaxdecError("the engine does not serve sliding-window layers yet (Gemma 3): "
                               "use jaxdec.generate")
@@ -94,7 +105,7 @@ class Engine:
         self.page_size = page_size
         self.pages_per_row = -(-self.max_model_len // page_size)
         if num_pages is None:
-            page_bytes = sum(2 * cfg.kv_heads(i) * page_size * cfg.head_dim * np.dtype(model.dtype).itemsize
+            page_bytes = sum(2 * jax.tree.reduce(lambda n, x: n + x.nbytes, self._pool_pages(i, 0), 0)
                              for i, (mixer, _) in enumerate(cfg.kinds) if mixer == "attention")
             num_pages = min(max_num_seqs * self.pages_per_row,
                             max(self.pages_per_row, kv_cache_memory // page_bytes))
@@ -122,10 +133,15 @@ class Engine:
         self.counters = dict(steps=0, preemptions=0, prefix_hit_tokens=0, prefix_query_tokens=0,
                              computed_tokens=0, generation_tokens=0)
 
+    def _pool_pages(self, layer: int, num_pages: int):
+        """One of a layer's two pools (keys, values) on the host: `num_pages` pages and the
+        scratch page."""
+        return page_pool(self.cfg.kv_heads(layer), self.cfg.head_dim, num_pages, self.page_size,
+                         self.model.dtype, quant=self.quant, fill=self.fill)
+
     def _pool(self, layer: int, num_pages: int):
-        shape = (self.cfg.kv_heads(layer), num_pages + 1, self.page_size, self.cfg.head_dim)
-        empty = np.full(shape, self.fill, self.model.dtype)
-        return (jax.device_put(empty, may_alias=False), jax.device_put(empty.copy(), may_alias=False))
+        put = lambda: jax.device_put(self._pool_pages(layer, num_pages), may_alias=False)
+        return put(), put()
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -172,6 +188,14 @@ class Engine:
             self.waiting.remove(r)
         out = self._finish(r, "abort", [], "", [])
         self._aborted.append(out)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request and its text (a server that runs for long keeps none)."""
+        r = self.requests.get(request_id)
+        if r is not None and not r.finished:
+            raise JaxdecError(f"request {request_id!r} has not finished: abort it first")
+        for table in (self.requests, self._streams, self._seeds):
+            table.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -43,7 +43,8 @@ def paged_cache(pools, table, lengths) -> KVCache:
         if pool is None:
             return None
         k_pages, v_pages = pool
-        slots = jnp.arange(table.shape[1] * k_pages.shape[2] + 1, dtype=jnp.int32)[None]
+        page_size = jax.tree.leaves(k_pages)[0].shape[2]  # (a quantised pool: its codes)
+        slots = jnp.arange(table.shape[1] * page_size + 1, dtype=jnp.int32)[None]
         pos = jnp.where(slots < lengths[:, None], slots, -1)
         return PagedKVLayer(k_pages=k_pages, v_pages=v_pages, page_table=table, pos=pos)
     return KVCache(layers=tuple(entry(p) for p in pools), lengths=lengths)
@@ -79,5 +80,5 @@ def run_rows(params, pools, table, tokens, positions, lengths, last, row_params:
 def fill_pages(pools, pages, value):
     """The pools with pool pages `pages` (i32[n]; the scratch page as padding) set to
     `value`: what a test writes into freed pages (NaN) to show they are never read."""
-    return tuple(None if p is None else tuple(x.at[:, pages].set(value.astype(x.dtype)) for x in p)
+    return tuple(None if p is None else jax.tree.map(lambda x: x.at[:, pages].set(value.astype(x.dtype)), p)
                  for p in pools)

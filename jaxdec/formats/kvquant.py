@@ -289,6 +289,13 @@ def _check_write(qkv: QuantKV, new, slots):
                           "(the cache sends padding to its scratch slot)")
 
 
+def quantize_like(qkv: QuantKV, x) -> QuantKV:
+    """x f[B, K, T, H] quantised in the "token" or "group" format of `qkv` (its bits,
+    groups, symmetry and scale dtype): the new tokens a cache writes."""
+    return quantize_kv(x, bits=qkv.bits, granularity=qkv.granularity, group_size=qkv.group_size,
+                       symmetric=qkv.bits == 8 and qkv.symmetric, scale_dtype=qkv.scale.dtype)
+
+
 def write_kv(qkv: QuantKV, new, slots) -> QuantKV:
     """`qkv` with new tokens f[B, T, K, H] quantised in its format and scattered into
     `slots` i32[B, T] along S (in bounds: the cache sends padding to its scratch slot;
@@ -304,8 +311,7 @@ def write_kv(qkv: QuantKV, new, slots) -> QuantKV:
         lo, hi = (0, 15) if qkv.bits == 4 else _CODES[(8, qkv.symmetric)]
         codes, _ = _store(_encode(x, qkv.scale, qkv.offset, lo, hi), qkv.scale, qkv.offset, 0, qkv.bits)
         return dataclasses.replace(qkv, codes=put(qkv.codes, codes))
-    part = quantize_kv(x, bits=qkv.bits, granularity=qkv.granularity, group_size=qkv.group_size,
-                       symmetric=qkv.bits == 8 and qkv.symmetric, scale_dtype=qkv.scale.dtype)
+    part = quantize_like(qkv, x)
     offset = None if qkv.offset is None else put(qkv.offset, part.offset)
     return dataclasses.replace(qkv, codes=put(qkv.codes, part.codes),
                                scale=put(qkv.scale, part.scale), offset=offset)

@@ -68,7 +68,7 @@ from jaxdec.formats.qarray import dequantize_rows
 __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
     "dense_matmul_xla", "expert_matmul", "expert_matmul_xla", "ragged_matmul", "ragged_matmul_xla",
-    "attention", "set_threads", "set_spin_us", "set_adaptive",
+    "attention", "paged_attention", "set_threads", "set_spin_us", "set_adaptive",
     "MAX_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T",
 ]
 
@@ -76,6 +76,7 @@ SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
 TARGET = "jaxdec_qmatmul"
 DENSE_TARGET = "jaxdec_dense_matmul"
 ATTENTION_TARGET = "jaxdec_attention"
+PAGED_ATTENTION_TARGET = "jaxdec_paged_attention"
 EXPERT_TARGET = "jaxdec_expert_matmul"
 RAGGED_TARGET = "jaxdec_ragged_matmul"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
@@ -210,6 +211,8 @@ def _load() -> dict:
         jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(lib.jaxdec_dense_matmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxdec_attention),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(PAGED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.jaxdec_paged_attention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(EXPERT_TARGET, jax.ffi.pycapsule(lib.jaxdec_expert_matmul),
                                     platform="cpu")
@@ -583,3 +586,24 @@ def attention(q, blocks, *, scale: float, xla, impl: str | None = None) -> jax.A
         unflat = lambda q_, *f: xla(q_, *zip(f[0::3], f[1::3], f[2::3]))
         return jax.lax.platform_dependent(q32, *flat, cpu=kernel, default=unflat)
     return kernel(q32, *flat)
+
+
+def paged_attention(q, k_pages, v_pages, table, mask, *, scale: float, xla, impl: str | None = None) -> jax.Array:
+    """`attention` of q [B, T, N, H] over one block kept in a page pool: k and v pools
+    [Kh, pages, ps, H] (float32 or bfloat16, a key and a value are rows), each row's page
+    table i32[B, width] (every entry a pool page) and mask bool[B, T, width * ps] -> f32[B,
+    T, N, H]. On CPU the kernel reads the visible slots where they lie, with the dense
+    kernel's sums in its order (a paged cache decodes bit for bit as a dense one); where it
+    cannot run, `xla()` (no arguments: the caller's own gathered view)."""
+    b, t, n, h = q.shape
+    ok = (b * t * n * h > 0 and k_pages.dtype == v_pages.dtype and attends(t, k_pages.dtype)
+          and (k_pages.dtype != jnp.bfloat16 or h % 2 == 0))
+    if not ok:
+        return xla()
+    call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    kernel = lambda: call(q.astype(jnp.float32), k_pages, v_pages, table.astype(jnp.int32), mask.astype(bool),
+                          scale=np.float32(scale), impl=np.int64(_impl_code(impl)))
+    if PORTABLE or jax.default_backend() != "cpu":
+        return jax.lax.platform_dependent(cpu=kernel, default=xla)
+    return kernel()

@@ -1582,7 +1582,11 @@ ffi::Error RaggedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buff
 // over the keys of all blocks (the cache before this step, the step's own keys), each block
 // with its own visibility mask[b, t, s].  Layouts are the dense cache's: k [B, Kh, S, H] (a key
 // is a contiguous row), v [B, Kh, H, S] (a value dimension is a contiguous row), float32 or
-// bfloat16; q and out float32 [B, T, N, H], N = Kh * G.  One work item is one (b, kv head): its
+// bfloat16; q and out float32 [B, T, N, H], N = Kh * G.  A paged block (`jaxdec_paged_attention`)
+// keeps them in a page pool instead: k and v [Kh, pages, ps, H] (a key and a value are rows), slot
+// s of row b in pool page table[b, s / ps] at offset s % ps; its sums are the dense layout's, term
+// for term and in the same order (values gathered lane by lane), so a paged cache decodes bit for
+// bit as a dense one.  One work item is one (b, kv head): its
 // G * T queries share every key and value row read.  Keys no query of the item sees are never
 // read, and value rows are read only over the span of visible keys, so a cache read costs the
 // visible context, not the allocated capacity.  A query that sees no key gets zeros.
@@ -1594,7 +1598,26 @@ struct AttnBlock {
   const bool* mask;
   int64_t S;
   bool bf16;
+  const int32_t* table = nullptr;  // a paged block's page table [B, width]; dense: none
+  int64_t ps = 0, pages = 0, width = 0;
 };
+
+// Where the H elements of a key (or, in a paged block, a value) of slot s of one item live.
+struct Rows {
+  const uint8_t* base;
+  const int32_t* table;  // this row's page table (paged), or null (dense: slot rows in order)
+  int64_t ps, stride;    // stride: bytes of one row
+  const uint8_t* operator()(int64_t s) const {
+    return table ? base + (static_cast<int64_t>(table[s / ps]) * ps + s % ps) * stride : base + s * stride;
+  }
+};
+
+// The rows of pool `p` (blk.k, or blk.v of a paged block) for item (b, kh).
+inline Rows rows_of(const AttnBlock& blk, const uint8_t* p, int64_t b, int64_t Kh, int64_t kh, int64_t H) {
+  const int64_t stride = H * (blk.bf16 ? 2 : 4);
+  if (!blk.table) return {p + (b * Kh + kh) * blk.S * stride, nullptr, 0, stride};
+  return {p + kh * blk.pages * blk.ps * stride, blk.table + b * blk.width, blk.ps, stride};
+}
 
 struct AttnJob {
   const float* q;
@@ -1634,9 +1657,9 @@ inline __attribute__((always_inline)) void attn_scores(const AttnJob& A, int64_t
   int64_t off = 0;
   for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
     const AttnBlock& blk = A.blocks[bi];
-    const int64_t S = blk.S, esz = blk.bf16 ? 2 : 4;
+    const int64_t S = blk.S;
     const bool* mk = blk.mask + b * T * S;
-    const uint8_t* kb = blk.k + (b * A.Kh + kh) * S * H * esz;
+    const Rows krows = rows_of(blk, blk.k, b, A.Kh, kh, H);
     int64_t lo = S, hi = 0;
     for (int64_t s = 0; s < S; ++s) {
       bool any = false;
@@ -1647,7 +1670,7 @@ inline __attribute__((always_inline)) void attn_scores(const AttnJob& A, int64_t
       }
       lo = std::min(lo, s);
       hi = s + 1;
-      const uint8_t* krow = kb + s * H * esz;
+      const uint8_t* krow = krows(s);
       for (int64_t t = 0; t < T; ++t) {
         const bool see = mk[t * S + s];
         for (int64_t g = 0; g < G; ++g) {
@@ -1692,9 +1715,15 @@ void attn_item_scalar(const AttnJob& A, int64_t u, AttnScratch& W) {
         for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
           const AttnBlock& blk = A.blocks[bi];
           const int64_t S = blk.S, esz = blk.bf16 ? 2 : 4;
-          const uint8_t* vrow = blk.v + ((b * A.Kh + kh) * H + h) * S * esz;
           const float* p = W.sc.data() + i * St + off;
-          for (int64_t s = W.lo[bi]; s < W.hi[bi]; ++s) acc += p[s] * attn_elem(vrow, s, blk.bf16);
+          if (blk.table) {  // value rows: element h of each; a slot nobody sees adds 0, unread
+            const Rows vrows = rows_of(blk, blk.v, b, A.Kh, kh, H);
+            for (int64_t s = W.lo[bi]; s < W.hi[bi]; ++s)
+              acc += p[s] * (p[s] != 0.f ? attn_elem(vrows(s), h, blk.bf16) : 0.f);
+          } else {
+            const uint8_t* vrow = blk.v + ((b * A.Kh + kh) * H + h) * S * esz;
+            for (int64_t s = W.lo[bi]; s < W.hi[bi]; ++s) acc += p[s] * attn_elem(vrow, s, blk.bf16);
+          }
           off += S;
         }
         o[h] = acc * inv;
@@ -1738,11 +1767,10 @@ QMM_TARGET QMM_INLINE __m512 exp_nonpos(__m512 x) {
 // Scores of NQ queries (rows of qs) against the keys of one block that mask row mk shows;
 // -inf for the others.  Updates the running maxima mx and the visible span [lo, hi).
 template <int NQ>
-QMM_TARGET void attn_scores_avx512(const float* qs, int64_t H, const uint8_t* kb, bool bf16,
+QMM_TARGET void attn_scores_avx512(const float* qs, int64_t H, const Rows& krows, bool bf16,
                                    const bool* mk, int64_t S, float* sc, int64_t St, float* mx,
                                    int64_t& lo, int64_t& hi) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t esz = bf16 ? 2 : 4;
   lo = S;
   hi = 0;
   for (int64_t s = 0; s < S; ++s) {
@@ -1753,7 +1781,7 @@ QMM_TARGET void attn_scores_avx512(const float* qs, int64_t H, const uint8_t* kb
     }
     lo = std::min(lo, s);
     hi = s + 1;
-    const uint8_t* krow = kb + s * H * esz;
+    const uint8_t* krow = krows(s);
     __m512 acc[NQ];
 #pragma GCC unroll 8
     for (int j = 0; j < NQ; ++j) acc[j] = _mm512_setzero_ps();
@@ -1793,6 +1821,55 @@ QMM_TARGET void attn_values_avx512(const float* p, int64_t St, const uint8_t* vb
   }
 }
 
+// attn_values_avx512 over a paged block's value rows: lane i of a 16-slot step gathers element
+// h of slot s + i, so every product and sum is the dense layout's, in its order.  A lane whose
+// slot no query weighs (p = 0 for all NQ) is not read (a page nobody wrote may hold NaN).
+// bfloat16 lanes gather the aligned 32-bit word holding element h (rows start 4-byte aligned,
+// H even), so no read leaves the row.
+template <int NQ>
+QMM_TARGET void attn_values_paged_avx512(const float* p, int64_t St, const Rows& vrows, bool bf16, int64_t H,
+                                         int64_t lo, int64_t hi, float* o) {
+  const int64_t steps = hi > lo ? (hi - lo + 15) / 16 : 0;
+  thread_local std::vector<int64_t> at;     // per step: 16 row offsets from vrows.base
+  thread_local std::vector<__mmask16> use;  // lanes some query weighs
+  at.resize(steps * 16);
+  use.resize(steps);
+  for (int64_t c = 0; c < steps; ++c) {
+    const int64_t s0 = lo + 16 * c;
+    const __mmask16 m = tail_mask(hi - s0);
+    __mmask16 any = 0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j)
+      any |= _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, p + j * St + s0), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    use[c] = any;
+    for (int i = 0; i < 16; ++i) at[16 * c + i] = s0 + i < hi ? vrows(s0 + i) - vrows.base : 0;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const __m512i off = _mm512_set1_epi64(bf16 ? (h & ~int64_t(1)) * 2 : h * 4);
+    __m512 acc[NQ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < steps; ++c) {
+      const int64_t s = lo + 16 * c;
+      const __mmask16 m = tail_mask(hi - s), u = use[c];
+      const __m512i i0 = _mm512_add_epi64(_mm512_loadu_si512(at.data() + 16 * c), off);
+      const __m512i i1 = _mm512_add_epi64(_mm512_loadu_si512(at.data() + 16 * c + 8), off);
+      const __m256i w0 = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(u), i0,
+                                                     vrows.base, 1);
+      const __m256i w1 = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), static_cast<__mmask8>(u >> 8), i1,
+                                                     vrows.base, 1);
+      __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+      if (bf16) w = h & 1 ? _mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))
+                          : _mm512_slli_epi32(w, 16);
+      const __m512 v = _mm512_castsi512_ps(w);
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, p + j * St + s), v, acc[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) o[j * H + h] += _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
 // Queries (t, g0 .. g0+NQ) of item (b, kh): all blocks, softmax, values, into A.out.
 template <int NQ>
 QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int64_t t, int64_t g0,
@@ -1806,8 +1883,7 @@ QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int
   int64_t off = 0;
   for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
     const AttnBlock& blk = A.blocks[bi];
-    const uint8_t* kb = blk.k + (b * A.Kh + kh) * blk.S * H * (blk.bf16 ? 2 : 4);
-    attn_scores_avx512<NQ>(qs, H, kb, blk.bf16, blk.mask + (b * A.T + t) * blk.S, blk.S, sc + off, St, mx,
+    attn_scores_avx512<NQ>(qs, H, rows_of(blk, blk.k, b, A.Kh, kh, H), blk.bf16, blk.mask + (b * A.T + t) * blk.S, blk.S, sc + off, St, mx,
                            W.lo[bi], W.hi[bi]);
     off += blk.S;
   }
@@ -1830,8 +1906,13 @@ QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int
   off = 0;
   for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
     const AttnBlock& blk = A.blocks[bi];
-    const uint8_t* vb = blk.v + (b * A.Kh + kh) * H * blk.S * (blk.bf16 ? 2 : 4);
-    attn_values_avx512<NQ>(sc + off, St, vb, blk.bf16, H, blk.S, W.lo[bi], W.hi[bi], out);
+    if (blk.table) {
+      attn_values_paged_avx512<NQ>(sc + off, St, rows_of(blk, blk.v, b, A.Kh, kh, H), blk.bf16, H, W.lo[bi],
+                                   W.hi[bi], out);
+    } else {
+      const uint8_t* vb = blk.v + (b * A.Kh + kh) * H * blk.S * (blk.bf16 ? 2 : 4);
+      attn_values_avx512<NQ>(sc + off, St, vb, blk.bf16, H, blk.S, W.lo[bi], W.hi[bi], out);
+    }
     off += blk.S;
   }
   for (int j = 0; j < NQ; ++j) {
@@ -1887,6 +1968,29 @@ void attn_range(const Job& J, int64_t u0, int64_t u1) {
   }
 }
 
+// A job over q [B, T, N, H] into out; the caller adds its blocks and sets Kh, G, S_total.
+AttnJob attn_job(const float* q, float* out, int64_t T, int64_t N, int64_t H, float scale, int64_t impl) {
+  AttnJob A;
+  A.q = q;
+  A.out = out;
+  A.T = T;
+  A.N = N;
+  A.H = H;
+  A.Kh = A.G = A.S_total = 0;
+  A.scale = scale;
+  A.simd = impl != 1 && cpu_has_avx512();
+  return A;
+}
+
+// Runs A's B * Kh items (one per sequence and kv head) on the pool.
+void run_attention(AttnJob& A, int64_t B, int64_t bytes) {
+  Job J{};
+  J.ctx = &A;
+  J.items = B * A.Kh;
+  J.M = 1;
+  run_job(J, attn_range, 1, 2, 4, bytes);
+}
+
 // args: q f32[B, T, N, H], then (k, v, mask) per block.
 ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> out,
                          float scale, int64_t impl) {
@@ -1895,16 +1999,7 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::RemainingArgs rest, ffi::
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3];
   if (rest.size() == 0 || rest.size() % 3 != 0)
     return ffi::Error::InvalidArgument("attention: blocks come as (k, v, mask) triples");
-  AttnJob A;
-  A.q = q.typed_data();
-  A.out = out->typed_data();
-  A.T = T;
-  A.N = N;
-  A.H = H;
-  A.Kh = 0;
-  A.S_total = 0;
-  A.scale = scale;
-  A.simd = impl != 1 && cpu_has_avx512();
+  AttnJob A = attn_job(q.typed_data(), out->typed_data(), T, N, H, scale, impl);
   int64_t bytes = 0;
   for (size_t i = 0; i < rest.size(); i += 3) {
     auto k = rest.get<ffi::AnyBuffer>(i);
@@ -1931,11 +2026,43 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::RemainingArgs rest, ffi::
   }
   A.G = N / A.Kh;
   if (B * T * N * H == 0) return ffi::Error::Success();
-  Job J{};
-  J.ctx = &A;
-  J.items = B * A.Kh;
-  J.M = 1;
-  run_job(J, attn_range, 1, 2, 4, bytes);
+  run_attention(A, B, bytes);
+  return ffi::Error::Success();
+}
+
+// args: q f32[B, T, N, H], k and v pools [Kh, pages, ps, H] (f32 or bf16), page table
+// s32[B, width], mask bool[B, T, width * ps].  Every table entry must name a pool page.
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::PRED> mask,
+                              ffi::ResultBuffer<ffi::F32> out, float scale, int64_t impl) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto td = table.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || md.size() != 3)
+    return ffi::Error::InvalidArgument("paged attention: q [B, T, N, H], pools [Kh, pages, ps, H], "
+                                       "table [B, width], mask [B, T, S]");
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], Kh = kd[0], pages = kd[1], ps = kd[2];
+  const auto et = k.element_type();
+  if ((et != ffi::F32 && et != ffi::BF16) || v.element_type() != et)
+    return ffi::Error::InvalidArgument("paged attention: k and v must both be float32 or bfloat16");
+  if (kd[3] != H || vd[0] != Kh || vd[1] != pages || vd[2] != ps || vd[3] != H || td[0] != B ||
+      md[0] != B || md[1] != T || md[2] != td[1] * ps || Kh <= 0 || N % Kh != 0 || (et == ffi::BF16 && H % 2))
+    return ffi::Error::InvalidArgument("paged attention: shapes do not match");
+  const int32_t* tb = table.typed_data();
+  for (int64_t i = 0; i < td[0] * td[1]; ++i)
+    if (tb[i] < 0 || tb[i] >= pages) return ffi::Error::InvalidArgument("paged attention: a page index is out of range");
+  AttnJob A = attn_job(q.typed_data(), out->typed_data(), T, N, H, scale, impl);
+  A.Kh = Kh;
+  A.G = N / Kh;
+  A.S_total = md[2];
+  AttnBlock blk{reinterpret_cast<const uint8_t*>(k.untyped_data()), reinterpret_cast<const uint8_t*>(v.untyped_data()),
+                mask.typed_data(), md[2], et == ffi::BF16};
+  blk.table = tb;
+  blk.ps = ps;
+  blk.pages = pages;
+  blk.width = td[1];
+  A.blocks.push_back(blk);
+  if (B * T * N * H == 0) return ffi::Error::Success();
+  run_attention(A, B, 2 * B * Kh * md[2] * H * (et == ffi::BF16 ? 2 : 4));
   return ffi::Error::Success();
 }
 
@@ -1984,6 +2111,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_attention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .RemainingArgs()               // (k, v, mask) per block
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("impl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdec_paged_attention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // k pool
+                                  .Arg<ffi::AnyBuffer>()          // v pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page table
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("impl"));
 
