@@ -7,6 +7,7 @@
     jaxdec info     SRC
     jaxdec eval ppl --model SRC --corpus prose|code
     jaxdec fetch    qwen2.5-coder-0.5b | gemma3-270m | corpora
+    jaxdec serve    --model smollm2 --port 8000   (OpenAI-compatible: /v1/completions, ...)
     jaxdec distill  --target smollm2 --drafter small|eagle3|pard --out DIR [--steps N ...]
 
 Every user error is one line on stderr and a non-zero exit; never a traceback.
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch", help="download a named model or the evaluation corpora")
     f.add_argument("name", help="qwen2.5-coder-0.5b, gemma3-270m, smollm2, or corpora")
 
+    _serve_parser(sub)
+
     b = sub.add_parser("bench", help="decode speed of jaxdec and its peers, side by side")
     b.add_argument("--model", "-m", default="smollm2")
     b.add_argument("--weights", default="f32,gguf",
@@ -155,6 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write every figure to this file")
     _distill_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine")
+    _model_flags(s)
+    s.set_defaults(kv_cache="paged")  # the engine's page pool, in the activation dtype
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port (printed when ready)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients ask for in `model` (default: --model)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per engine step")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's context, at most 4096)")
+    s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="which waiting request runs first (priority: a request's `priority`, lower first)")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV pages of shared prompt prefixes")
 
 
 def _distill_parser(sub) -> None:

@@ -132,8 +132,6 @@ def _generate_engine(args, model, drafter) -> int:
 
     if drafter is not None:
         raise JaxdecError("--engine does not speculate yet: drop --draft")
-    if model.kv_cache != "dense":
-        raise JaxdecError(f"--engine keeps its own paged KV pool: drop --kv-cache {model.kv_cache}")
     ids = encode_prompts(model, args.prompt, chat=args.chat)[0]
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
@@ -399,6 +397,29 @@ def bench(args) -> int:
         model=args.model, weights=split(args.weights), peers=split(args.peers), batches=batches,
         new_tokens=args.new_tokens, repeats=args.repeats, ttft=not args.no_ttft)
     return decode_bench.main(settings, args.json)
+
+
+def serve(args) -> int:
+    """`jaxdec serve`: the engine, warmed up, behind an OpenAI-compatible HTTP server."""
+    if args.mesh:
+        raise JaxdecError("the server's engine runs on one device: drop --mesh")
+    from jaxdec.engine.engine import Engine
+    from jaxdec.serve import app as serve_app, server  # (FastAPI and uvicorn: only here)
+
+    sock = server.listen(args.host, args.port)  # a taken port fails before the model loads
+    model = _load(args)  # (--kv-cache picks the engine's page pool; it refuses kinds it lacks)
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                    max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
+                    enable_prefix_caching=not args.no_prefix_caching)
+    start = time.perf_counter()
+    shapes = engine.warmup()
+    name = args.served_model_name or args.model
+    app = serve_app.make_app(engine, name)
+    host, port = sock.getsockname()[:2]
+    print(f"jaxdec serve: {name} ready on http://{host}:{port}/v1 ({shapes} step shapes warmed "
+          f"up in {time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    server.run(app, sock)
+    return 0
 
 
 def _nbytes(tree) -> int:
