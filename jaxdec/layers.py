@@ -187,8 +187,9 @@ def attention_reference(q: jax.Array, *blocks: tuple[jax.Array, jax.Array, jax.A
     scores = [jnp.where(mask[:, None, None, :, :],
                         jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32),
                         NEG_INF) for k, _, mask in blocks]
-    out = sum(jnp.einsum("bkgts,bkhs->btkgh", p.astype(v.dtype), v,
-                         preferred_element_type=jnp.float32)
+    # the probabilities stay float32 and bfloat16 values are widened: XLA:CPU's runtime dot
+    # has no bf16 x bf16 -> f32 (DotThunk), which it falls back to for some layouts of P @ V
+    out = sum(jnp.einsum("bkgts,bkhs->btkgh", p, v.astype(jnp.float32))
               for p, (_, v, _) in zip(block_softmax(scores), blocks))
     return out.reshape(b, t, n, h).astype(q.dtype)
 

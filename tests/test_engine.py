@@ -279,12 +279,11 @@ def test_cli_generate_through_the_engine(reference):
     one_line(run("generate", "--engine", "--kv-cache", "window", "-p", prompt), "page pool")
 
 
-@pytest.mark.parametrize("weights", ["gguf", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["gguf", "int8", "int4", "bf16"])
 def test_every_weight_format_runs_in_the_engine(weights):
     """The engine runs the model's own matmul entry point, so every weight format works: its
     greedy tokens are jaxdec.generate's for the same weights (the pool in the activation
-    dtype). (bf16 weights are not here yet: XLA:CPU's runtime refuses one bf16 x bf16 -> f32
-    dot of the engine's step, "Unsupported element type for DotThunk".)"""
+    dtype: bfloat16 for bf16 weights)."""
     model = jaxdec.load("smollm2", weights=weights)
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
     ref = jaxdec.generate(model, prompts, max_new_tokens=12)
