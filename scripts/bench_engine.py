@@ -186,8 +186,9 @@ def main(argv=None) -> int:
         ratios = [e / o for e, o in pairs]
         report["decode"] = dict(batch=a.batch, pairs=[dict(engine_tok_s=round(e, 1), one_jit_tok_s=round(o, 1))
                                                       for e, o in pairs], median_ratio=round(float(np.median(ratios)), 3))
-        for e, o in pairs:
-            print(f"batch-{a.batch} decode: engine {e:.1f} tok/s, one-jit bench {o:.1f} tok/s, ratio {e / o:.3f}")
+        for e, o in pairs:  # (a step makes one token per row: ms per step = batch / rate)
+            print(f"batch-{a.batch} decode: engine {e:.1f} tok/s ({1e3 * a.batch / e:.0f} ms a step), one-jit "
+                  f"bench {o:.1f} tok/s ({1e3 * a.batch / o:.0f} ms a step), ratio {e / o:.3f}")
         print(f"batch-{a.batch} decode: median ratio {np.median(ratios):.3f} over {len(pairs)} pairs "
               "(target >= 0.8)", flush=True)
     if "mixed" in parts:

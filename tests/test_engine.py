@@ -323,8 +323,8 @@ def test_an_int8_pool_is_schedule_free_and_follows_generate():
     prompt's attention runs on XLA's dots, whose sums are ordered by the chunk's shape ([4,
     32] rows here, [16, 64] there), and a key that rounds to the neighbouring code moves a
     logit by ~1e-3, so a request may part from generate's tokens only where generate's top-2
-    logits are close (measured: 2 of 16 part, at gaps of 0.006 and 0.11; a wrong page moves
-    logits by whole units)."""
+    logits are close (it prints what parts: with -s; a wrong page moves logits by whole
+    units)."""
     model = jaxdec.load("smollm2", kv_cache="int8")
     prompts = sixteen_prompts()
     got, engine = run_schedule(model, prompts, max_chunk=7, prefix=True)
@@ -332,15 +332,15 @@ def test_an_int8_pool_is_schedule_free_and_follows_generate():
     plain, _ = run_schedule(model, prompts, max_chunk=32, prefix=False, preempt_every=10**6)
     assert got == plain
     ref = jaxdec.generate(model, prompts, max_new_tokens=16)
-    parted = 0
+    parted = []  # (request, first differing token, generate's top-2 gap there)
     for i in range(len(prompts)):
         want = list(ref.token_ids[i])
         if got[i] != want:
-            parted += 1
             at = next(j for j, (a, b) in enumerate(zip(got[i], want)) if a != b)
-            gap = top2_gap(model, list(ref.prompt_ids[i]), want[:at])
-            assert gap < 0.25, divergence(model, list(ref.prompt_ids[i]), got[i], want)
-    assert parted <= 3, f"{parted} of 16 requests parted from generate's tokens"
+            parted.append((i, at, round(top2_gap(model, list(ref.prompt_ids[i]), want[:at]), 4)))
+            assert parted[-1][2] < 0.25, divergence(model, list(ref.prompt_ids[i]), got[i], want)
+    print(f"int8 pool against generate: {len(parted)} of 16 requests part (request, token, gap): {parted}")
+    assert len(parted) <= 3, f"{len(parted)} of 16 requests parted from generate's tokens: {parted}"
 
 
 def test_forget_drops_a_finished_request_only(tiny):

@@ -85,5 +85,6 @@ def _register(kind: str, what: str):
         return QuantKVLayer.empty(kind, batch, cfg.kv_heads(layer), cfg.head_dim, max_len + 1, dtype)
 
 
-_register("int8", "int8")
-_register("int4", "4-bit (two per byte)")
+KINDS = {"int8": "int8", "int4": "4-bit (two per byte)"}  # the quantised kinds (what their codes are)
+for _kind, _what in KINDS.items():
+    _register(_kind, _what)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -75,6 +76,47 @@ def bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_PAD = re.compile(r"\[PAD\d+\]")
+
+
+@functools.cache
+def _char_to_byte() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _piece(token: str, byte_level: bool) -> bytes | None:
+    """The bytes a plain token spells: GPT-2's byte alphabet, or SentencePiece's '▁' and
+    <0xAB> byte-fallback tokens."""
+    if _PAD.fullmatch(token):
+        return None
+    if byte_level:
+        table = _char_to_byte()
+        return bytes(table[c] for c in token) if all(c in table for c in token) else None
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+        return bytes([int(token[3:5], 16)])
+    return token.replace("\u2581", " ").encode("utf-8")
+
+
+@functools.lru_cache(maxsize=8)
+def token_pieces(tokenizer: "Tokenizer", rows: int | None = None) -> tuple[bytes | None, ...]:
+    """The bytes each of the first `rows` ids (default: the vocabulary) spells: part of a
+    character for a byte-level or byte-fallback token, an added token's own text, None for
+    padding and ids past the vocabulary. (A tokenizer's `decode` of one id cannot say this:
+    half a character decodes to U+FFFD.)"""
+    backend = tokenizer.backend
+    rows = tokenizer.vocab_size if rows is None else rows
+    added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    byte_level = "ByteLevel" in str(backend.decoder)
+    pieces = [None] * rows
+    for token, i in backend.get_vocab(with_added_tokens=False).items():
+        if i < rows and i not in added:
+            pieces[i] = _piece(token, byte_level)
+    for i, content in added.items():
+        if i < rows:
+            pieces[i] = content.encode("utf-8")
+    return tuple(pieces)
 
 
 def _respell(token: str) -> str:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdec.batching import bucket, bucket_sizes, check_ids
-from jaxdec.cache import dense
+from jaxdec.cache import dense, quantized
 from jaxdec.cache.paged import page_pool
 from jaxdec.engine import policy as policies
 from jaxdec.engine.detok import TextStream
@@ -50,10 +50,6 @@ from jaxdec.engine.request import Request, SamplingParams, Status
 from jaxdec.engine.step import fill_pages, run_rows
 from jaxdec.errors import JaxdecError
 from jaxdec.sampling import RowParams
-
-
-# The model's cache kind -> the engine's page pool: in the activation dtype, or quantised.
-POOLS = {"dense": None, "paged": None, "int8": "int8", "int4": "int4"}
 
 
 @dataclasses.dataclass
@@ -82,10 +78,12 @@ class Engine:
         unused pages hold at first (NaN in tests: it must never reach an output)."""
         cfg = model.cfg
         dense.check("paged", cfg.attention_impl, cfg)
-        if model.kv_cache not in POOLS:
+        # the model's cache kind picks the page pool: the activation dtype, or quantised codes
+        if model.kv_cache not in ("dense", "paged", *quantized.KINDS):
             raise JaxdecError(f"the engine keeps keys and values in a page pool in the activation dtype "
-                              f"(kv_cache 'dense' or 'paged'), int8 or int4, not {model.kv_cache!r}")
-        self.quant = POOLS[model.kv_cache]
+                              f"(kv_cache 'dense' or 'paged'), or {' or '.join(quantized.KINDS)}, "
+                              f"not {model.kv_cache!r}")
+        self.quant = model.kv_cache if model.kv_cache in quantized.KINDS else None
         if self.quant and cfg.attention_impl != "xla":
             raise JaxdecError("no Pallas kernel reads a quantised page pool yet: use attention_impl='xla'")
         if any(cfg.window(i) is not None for i in range(cfg.n_layers)):

@@ -15,9 +15,8 @@ Log-probabilities come from the engine per token: its own and the top alternativ
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-from jaxdec.checkpoint.tokenizer import bytes_to_unicode
+from jaxdec.checkpoint.tokenizer import token_pieces
 
 
 @dataclasses.dataclass
@@ -50,18 +49,11 @@ def usage(prompt_lens: list[int], choices: list[Choice], n: int) -> dict:
             "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_of() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
 def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The bytes a token stands for: exact for byte-level BPE vocabularies (a token may be
-    part of a character), its decoded text otherwise."""
-    piece, byte_of = tokenizer.backend.id_to_token(int(token_id)), _byte_of()
-    if piece is not None and all(ch in byte_of for ch in piece):
-        return bytes(byte_of[ch] for ch in piece)
-    return tokenizer.decode([int(token_id)], skip_special_tokens=False).encode()
+    """The bytes a token stands for (`token_pieces`: a token may be part of a character);
+    its decoded text where the vocabulary spells none."""
+    piece = token_pieces(tokenizer)[int(token_id)] if token_id < tokenizer.vocab_size else None
+    return piece if piece is not None else tokenizer.decode([int(token_id)], skip_special_tokens=False).encode()
 
 
 class _Format:

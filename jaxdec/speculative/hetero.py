@@ -42,7 +42,7 @@ import numpy as np
 from jaxdec import decode
 from jaxdec.batching import check_context, check_ids, pad_rows
 from jaxdec.cache import dense
-from jaxdec.checkpoint.tokenizer import bytes_to_unicode
+from jaxdec.checkpoint.tokenizer import token_pieces
 from jaxdec.config import ModelConfig
 from jaxdec.errors import JaxdecError
 from jaxdec.models import transformer
@@ -107,7 +107,6 @@ class Vocab:
 
 
 _RUNS = re.compile("[\udc80-\udcff]+|[^\udc80-\udcff]+")
-_PAD = re.compile(r"\[PAD\d+\]")
 
 
 def _byte_ids(pieces, added) -> tuple[int | None, ...]:
@@ -128,24 +127,6 @@ def _longest_match(pieces: tuple[bytes, ...], text: str) -> list[int]:
     return out
 
 
-def _piece(token: str, byte_level: bool) -> bytes | None:
-    """The bytes a plain token spells: GPT-2's byte alphabet, or SentencePiece's '▁' and
-    <0xAB> byte-fallback tokens."""
-    if _PAD.fullmatch(token):
-        return None
-    if byte_level:
-        table = _char_to_byte()
-        return bytes(table[c] for c in token) if all(c in table for c in token) else None
-    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
-        return bytes([int(token[3:5], 16)])
-    return token.replace("\u2581", " ").encode("utf-8")
-
-
-@functools.cache
-def _char_to_byte() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
 @functools.lru_cache(maxsize=8)
 def vocab_of(tokenizer, rows: int) -> Vocab:
     """The `Vocab` of a jaxdec `Tokenizer` for a model with `rows` embedding rows."""
@@ -153,16 +134,9 @@ def vocab_of(tokenizer, rows: int) -> Vocab:
         return tokenizer
     backend = tokenizer.backend
     added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-    byte_level = "ByteLevel" in str(backend.decoder)
-    pieces = [None] * rows
-    for token, i in backend.get_vocab(with_added_tokens=False).items():
-        if i < rows and i not in added:
-            pieces[i] = _piece(token, byte_level)
-    for i, content in added.items():
-        if i < rows:
-            pieces[i] = content.encode("utf-8")
+    pieces = token_pieces(tokenizer, rows)
     encode = lambda text: backend.encode(text, add_special_tokens=False).ids
-    return Vocab(pieces=tuple(pieces), added=frozenset(added), encode_text=encode,
+    return Vocab(pieces=pieces, added=frozenset(added), encode_text=encode,
                  byte_ids=_byte_ids(pieces, added),
                  bos=tokenizer.bos_id if tokenizer.add_bos else None)
 
