@@ -172,8 +172,14 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per engine step")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's context, at most 4096)")
-    s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="which waiting request runs first (priority: a request's `priority`, lower first)")
+    s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "sla", "static", "prefill-first"],
+                   help="the scheduler: fcfs and priority (which waiting request runs first; priority: "
+                   "a request's `priority`, lower first) fill every step with decodes and prompt chunks; "
+                   "sla admits by predicted KV use and sizes the running batch to keep TPOT under "
+                   "--tpot-slo (2503.05248); static (run each batch to completion) and prefill-first "
+                   "(prompts and decodes never share a step) are the baselines of `jaxdec bench serve`")
+    s.add_argument("--tpot-slo", type=float, default=0.1,
+                   help="seconds per output token that the sla policy keeps decoding under (default 0.1)")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV pages of shared prompt prefixes")
 

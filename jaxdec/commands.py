@@ -403,13 +403,15 @@ def serve(args) -> int:
     """`jaxdec serve`: the engine, warmed up, behind an OpenAI-compatible HTTP server."""
     if args.mesh:
         raise JaxdecError("the server's engine runs on one device: drop --mesh")
+    from jaxdec.engine import policy as policies
     from jaxdec.engine.engine import Engine
     from jaxdec.serve import app as serve_app, server  # (FastAPI and uvicorn: only here)
 
-    sock = server.listen(args.host, args.port)  # a taken port fails before the model loads
+    policy = policies.make(args.policy, tpot_slo=args.tpot_slo)  # (bad flags fail before the model loads)
+    sock = server.listen(args.host, args.port)  # (as does a taken port)
     model = _load(args)  # (--kv-cache picks the engine's page pool; it refuses kinds it lacks)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                    max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
+                    max_num_batched_tokens=args.max_num_batched_tokens, policy=policy,
                     enable_prefix_caching=not args.no_prefix_caching)
     start = time.perf_counter()
     shapes = engine.warmup()

@@ -13,7 +13,9 @@ Each `step` schedules on the host, then runs the model once or twice (`step.run_
    Running requests come first, in the policy's order: a decoding request gets 1 token, a
    request still in its prompt a chunk of it (Sarathi's chunked prefill), as far as the
    budget goes. Then waiting requests are admitted in the policy's order while a row, the
-   budget and pages allow (work-conserving: every step is filled while requests wait). An
+   budget, pages and the policy (`row_limit`, `admits`) allow; under fcfs every step is
+   filled while requests wait (work-conserving). A policy that does not mix decodes with
+   prompt chunks (prefill-first) runs the chunks alone whenever there are any. An
    admitted request first takes the longest prefix of its tokens that the pool caches
    (`jaxdec.cache.pages.PagePool`), up to the page before its last token, which is always computed for
    its logits. When the pool has no page for a running request's next tokens, the policy's
@@ -108,7 +110,7 @@ class Engine:
             num_pages = min(max_num_seqs * self.pages_per_row,
                             max(self.pages_per_row, kv_cache_memory // page_bytes))
         self.pool = PagePool(num_pages)
-        self.policy = policies.make(policy)
+        self.policy = policies.make(policy)  # (a name, or a policy object)
         self.sizes = self.buckets()
         self.scratch = num_pages
         self.table = np.full((max_num_seqs, self.pages_per_row), self.scratch, np.int32)
@@ -207,6 +209,7 @@ class Engine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and commit one step -> the outputs of the requests it touched."""
+        start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         plan = self._schedule()
         self.last_step = dict(decode_rows=sum(n == 1 for _, n in plan),
@@ -218,19 +221,27 @@ class Engine:
                 if group:
                     results.update(self._run(group, decode=group[0][1] == 1))
             outputs += self._commit(plan, results)
+        self.policy.observe(self, time.perf_counter() - start, outputs)
         for out in outputs:
             if out.request_id in self._watched:
                 self._watched[out.request_id].append(out)
         return outputs
 
     def _schedule(self) -> list[tuple[Request, int]]:
+        if self.policy.mixed:
+            return self._plan(lambda n: True)
+        # a policy that does not mix: prompt chunks alone when there are any, else decodes
+        return self._plan(lambda n: n > 1) or self._plan(lambda n: n == 1)
+
+    def _plan(self, takes) -> list[tuple[Request, int]]:
+        """The step's rows and their token counts n, of the rows whose `takes(n)`."""
         budget, plan, preempted, chunks = self.max_num_batched_tokens, [], False, 0
         scheduled = set()
         for r in self.policy.admit_order(self.running):
             if r.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(r.n_tokens - r.n_computed, budget, self.max_chunk)
-            if n > 1 and chunks == self.max_prefill_seqs:
+            if (n > 1 and chunks == self.max_prefill_seqs) or not takes(n):
                 continue
             while not self._reserve(r, r.n_computed + n):
                 victim = self.policy.victim([x for x in self.running if x.id not in scheduled])
@@ -247,13 +258,14 @@ class Engine:
         if preempted:
             return plan
         for r in self.policy.admit_order(self.waiting):
-            if not self.free_rows or budget == 0:
+            if not self.free_rows or budget == 0 or len(self.running) >= self.policy.row_limit(self) \
+                    or not self.policy.admits(self, r):
                 break
             keys = self._page_keys(r, r.n_tokens // self.page_size)
             hit = self.pool.match(keys)[:(r.n_tokens - 1) // self.page_size] if self.prefix_caching else []
             start = len(hit) * self.page_size
             n = min(r.n_tokens - start, budget, self.max_chunk)
-            if n > 1 and chunks == self.max_prefill_seqs:
+            if (n > 1 and chunks == self.max_prefill_seqs) or not takes(n):
                 break
             need = -(-(start + n) // self.page_size) - len(hit)
             if need > self.pool.n_free - sum(int(self.pool.refs[p] == 0) for p in hit):

@@ -1,14 +1,45 @@
-"""Scheduling policies: objects the scheduler calls to order requests.
+"""Scheduling policies: objects the scheduler asks how to fill each step.
 
-A policy says which waiting request is admitted first (`admit_order`) and which running
-request is preempted first when the page pool runs out (`victim`). FCFS admits by arrival
-and preempts the newest; priority admits by (priority, arrival), lower first (vLLM's
-habit), and preempts the lowest priority, the newest among equals. A new policy (the
-SLA-aware one of the server) is one more class with these two methods, registered here.
+    engine = Engine(model, policy="sla")                       # by name, default settings
+    engine = Engine(model, policy=policy.SLA(tpot_slo=0.05))   # or an object
+
+A policy answers five questions, and each class below changes only the answers it needs:
+- `admit_order(waiting)`: which waiting request is admitted first;
+- `victim(running)`: which running request is preempted first when pages run out;
+- `row_limit(engine)`: how many requests may run at once this step (admission stops there;
+  running requests are never preempted to shrink the batch, it drains as they finish);
+- `admits(engine, request)`: whether the next request in line may be admitted now (if not,
+  it and everything behind it waits);
+- `mixed`: whether decodes and prompt chunks share a step. A policy that does not mix runs
+  prompt chunks alone whenever there are any, and decodes otherwise.
+After each step the engine calls `observe(engine, seconds, outputs)`.
+
+The policies:
+- **fcfs** admits by arrival and preempts the newest. Every step takes all running decodes
+  plus prompt chunks up to the token budget: work-conserving mixed batching, which
+  2504.07347 shows throughput-optimal.
+- **priority** admits by (priority, arrival), lower first (vLLM's habit), and preempts the
+  lowest priority, the newest among equals.
+- **sla** (2503.05248) sizes the running batch as a control variable, b = min(b_mem, b_sla):
+  - memory: a request is admitted only if the pages that every running request and it are
+    predicted to hold at their end (prompt + predicted output, `predicted_tokens`) fit in
+    (1 - `headroom`) of the pool, so a burst is not admitted only to be preempted later;
+  - latency: an exponential average of the decode steps' time (the inter-token latency
+    every decoding request sees) is checked every `window` decode steps against `tpot_slo`:
+    over it, b_sla shrinks to (1 - `shrink`) of the running batch (once the batch has
+    drained to b_sla, so each cut is measured before the next); under (1 - `margin`) of it
+    while requests wait at the limit, b_sla grows by one (additive increase,
+    multiplicative decrease).
+- **static** and **prefill-first** are the baselines of `jaxdec bench serve`, the two
+  schedules 2504.07347 shows unstable under moderate load:
+  - static batching: FCFS, each batch run to completion (admission closes once a running
+    request has produced a token, and opens again when the batch has drained);
+  - prefill-first: FCFS without mixing; prompts run before decodes (vLLM's v0 default).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from jaxdec.engine.request import Request
@@ -17,6 +48,7 @@ from jaxdec.errors import JaxdecError
 
 class FCFS:
     name = "fcfs"
+    mixed = True
 
     def key(self, r: Request):
         return (r.arrival,)
@@ -28,6 +60,15 @@ class FCFS:
         """The running request to preempt: the one that would be admitted last."""
         return max(running, key=self.key)
 
+    def row_limit(self, engine) -> int:
+        return engine.max_num_seqs
+
+    def admits(self, engine, r: Request) -> bool:
+        return True
+
+    def observe(self, engine, seconds: float, outputs) -> None:
+        pass
+
 
 class Priority(FCFS):
     name = "priority"
@@ -36,10 +77,80 @@ class Priority(FCFS):
         return (r.priority, r.arrival)
 
 
-POLICIES = {p.name: p for p in (FCFS, Priority)}
+class Static(FCFS):
+    name = "static"
+
+    def admits(self, engine, r: Request) -> bool:
+        return not any(x.output_ids for x in engine.running)
 
 
-def make(name: str):
-    if name not in POLICIES:
-        raise JaxdecError(f"unknown scheduling policy {name!r} (one of {', '.join(POLICIES)})")
-    return POLICIES[name]()
+class PrefillFirst(FCFS):
+    name = "prefill-first"
+    mixed = False
+
+
+class SLA(FCFS):
+    name = "sla"
+
+    def __init__(self, tpot_slo: float = 0.1, *, headroom: float = 0.1, shrink: float = 0.25,
+                 margin: float = 0.2, window: int = 4, smoothing: float = 0.3):
+        if not (isinstance(tpot_slo, (int, float)) and tpot_slo > 0 and math.isfinite(tpot_slo)):
+            raise JaxdecError(f"tpot_slo must be a positive number of seconds (got {tpot_slo!r})")
+        for name, value in (("headroom", headroom), ("shrink", shrink), ("margin", margin),
+                            ("smoothing", smoothing)):
+            if not 0 <= value < 1:
+                raise JaxdecError(f"{name} must be in [0, 1) (got {value!r})")
+        self.tpot_slo, self.headroom, self.shrink, self.margin = float(tpot_slo), headroom, shrink, margin
+        self.window, self.smoothing = window, smoothing
+        self.b_sla: int | None = None       # the latency bound on running requests
+        self.itl: float | None = None       # the decode steps' time, exponentially averaged
+        self.mean_output: float | None = None  # finished requests' output lengths, averaged
+        self._since = 0                     # decode steps since b_sla last moved
+
+    def row_limit(self, engine) -> int:
+        if self.b_sla is None:
+            self.b_sla = engine.max_num_seqs
+        return self.b_sla
+
+    def predicted_tokens(self, r: Request) -> int:
+        """Prompt + the output `r` is predicted to end with: the average finished output
+        (max_tokens until one finishes), at least what it has, at most max_tokens."""
+        guess = r.params.max_tokens if self.mean_output is None else math.ceil(self.mean_output)
+        out = min(r.params.max_tokens, max(len(r.output_ids) + 1, guess))
+        return len(r.prompt_ids) + out
+
+    def admits(self, engine, r: Request) -> bool:
+        pages = lambda x: -(-self.predicted_tokens(x) // engine.page_size)
+        held = sum(pages(x) for x in engine.running)
+        return held + pages(r) <= (1 - self.headroom) * engine.pool.n_pages
+
+    def observe(self, engine, seconds: float, outputs) -> None:
+        for out in outputs:
+            if out.finished and out.finish_reason != "abort":
+                n = len(out.request.output_ids)
+                self.mean_output = n if self.mean_output is None else 0.9 * self.mean_output + 0.1 * n
+        if not engine.last_step["decode_rows"]:
+            return
+        a = self.smoothing
+        self.itl = seconds if self.itl is None else (1 - a) * self.itl + a * seconds
+        self._since += 1
+        if self._since < self.window:
+            return
+        b, n = self.row_limit(engine), len(engine.running)
+        if self.itl > self.tpot_slo and n <= b:  # (while the batch drains to b, the average still measures more)
+            self.b_sla, self._since = max(1, min(n - 1, math.floor(n * (1 - self.shrink)))), 0
+        elif self.itl < (1 - self.margin) * self.tpot_slo and n >= b and engine.waiting:
+            self.b_sla, self._since = min(engine.max_num_seqs, b + 1), 0
+
+
+POLICIES = {p.name: p for p in (FCFS, Priority, SLA, Static, PrefillFirst)}
+
+
+def make(policy, **options):
+    """A policy object from its name (with `options` for its constructor), or the object."""
+    if not isinstance(policy, str):
+        return policy
+    if policy not in POLICIES:
+        raise JaxdecError(f"unknown scheduling policy {policy!r} (one of {', '.join(POLICIES)})")
+    cls = POLICIES[policy]
+    return cls(**options) if cls is SLA else cls()

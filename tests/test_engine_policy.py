@@ -1,0 +1,185 @@
+"""The scheduler's policies: each gives `jaxdec.generate`'s greedy tokens, and each keeps
+the schedule it promises.
+
+- static batching admits nothing while a request of its batch decodes;
+- prefill-first never mixes decodes and prompt chunks in a step;
+- the SLA policy of 2503.05248 admits by predicted KV use (a burst that preempts under fcfs
+  preempts nothing) and moves its batch bound by the paper's feedback rule: a cut by a
+  factor over the TPOT SLO, one more row under it while requests wait.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+
+import jaxdec
+from conftest import assert_one_line_error, jax_model
+from jaxdec import api
+from jaxdec.engine import policy as policies
+from jaxdec.engine.engine import Engine
+from jaxdec.engine.request import Request, SamplingParams
+from tiny_hf import build, byte_tokenizer
+from test_engine import PROMPTS, divergence
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return jax_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    _, cfg, params = build("llama", seed=5)
+    return api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny")
+
+
+def drive(engine, prompts, params, per_step=2, watch=None):
+    """Add prompts `per_step` at a time, stepping between; `watch(engine, before)` after each
+    step, with the running ids before it -> the request ids."""
+    queue, ids = list(prompts), []
+    while queue or engine.has_unfinished():
+        ids += [engine.add_request(p, params) for p in queue[:per_step]]
+        queue = queue[per_step:]
+        before = {r.id for r in engine.running}
+        decoding = any(r.output_ids for r in engine.running)
+        engine.step()
+        if watch:
+            watch(engine, before, decoding)
+    return ids
+
+
+@pytest.mark.parametrize("name", ["static", "prefill-first", "sla"])
+def test_every_policy_gives_generates_tokens_and_keeps_its_schedule(smol, name):
+    reference = {p: list(jaxdec.generate(smol, [p], max_new_tokens=20).token_ids[0]) for p in PROMPTS}
+    engine = Engine(smol, max_num_seqs=3, max_num_batched_tokens=48, page_size=16, max_model_len=256,
+                    policy=name)
+    seen = dict(mixed=0, late_admissions=0)
+
+    def watch(engine, before, decoding):
+        admitted = {r.id for r in engine.running} - before
+        seen["late_admissions"] += bool(admitted) and decoding
+        seen["mixed"] += engine.last_step["decode_rows"] > 0 and engine.last_step["prefill_rows"] > 0
+
+    ids = drive(engine, PROMPTS, SamplingParams(max_tokens=20), watch=watch)
+    for p, rid in zip(PROMPTS, ids):
+        r = engine.requests[rid]
+        assert r.output_ids == reference[p], divergence(smol, r.prompt_ids, r.output_ids, reference[p])
+    assert engine.stats()["pages_used"] == 0
+    if name == "static":
+        assert seen["late_admissions"] == 0
+    if name == "prefill-first":
+        assert seen["mixed"] == 0
+    if name == "sla":  # (whatever bound its latency feedback set, the tokens are the same)
+        assert engine.policy.b_sla is not None and engine.policy.mean_output is not None
+
+
+def test_fcfs_mixes_and_admits_while_decoding(tiny):
+    """The work-conserving schedule the baselines are measured against does both."""
+    engine = Engine(tiny, max_num_seqs=3, max_num_batched_tokens=48, page_size=16, max_model_len=256)
+    seen = dict(mixed=0, late=0)
+
+    def watch(engine, before, decoding):
+        seen["late"] += bool({r.id for r in engine.running} - before) and decoding
+        seen["mixed"] += engine.last_step["decode_rows"] > 0 and engine.last_step["prefill_rows"] > 0
+
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, int(rng.integers(20, 60))).tolist() for _ in range(8)]
+    drive(engine, prompts, SamplingParams(max_tokens=12, ignore_eos=True), watch=watch)
+    assert seen["mixed"] > 0 and seen["late"] > 0
+
+
+def burst(tiny, policy, rng):
+    """8 requests at once whose prompts and outputs need 25 of the pool's 24 pages when 4
+    run to their end -> the engine after all finished."""
+    engine = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, page_size=16, max_model_len=128,
+                    num_pages=24, policy=policy)
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    prompts = [rng.integers(0, 256, 20).tolist() for _ in range(8)]
+    ids = [engine.add_request(p, params) for p in prompts]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.stats()["pages_used"])
+    assert all(len(engine.requests[i].output_ids) == 80 for i in ids)
+    return engine, peak
+
+
+def test_the_sla_policy_admits_by_predicted_kv_and_does_not_preempt_a_burst(tiny):
+    rng = np.random.default_rng()
+    fcfs, _ = burst(tiny, "fcfs", rng)
+    sla, peak = burst(tiny, "sla", rng)
+    assert fcfs.counters["preemptions"] > 0
+    assert sla.counters["preemptions"] == 0
+    # 3 requests of 100 tokens (7 pages each) fit 0.9 of 24 pages; a fourth does not
+    assert peak <= 21
+
+
+def fake_engine(n_running: int, n_waiting: int, max_num_seqs: int = 16):
+    reqs = lambda n: [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8)) for i in range(n)]
+    return types.SimpleNamespace(running=reqs(n_running), waiting=reqs(n_waiting), max_num_seqs=max_num_seqs,
+                                 last_step=dict(decode_rows=n_running), page_size=16,
+                                 pool=types.SimpleNamespace(n_pages=1000))
+
+
+def test_the_sla_bound_follows_the_papers_feedback_rule():
+    """Over the SLO the bound is cut to (1 - shrink) of the running batch once it has drained
+    to the bound; under (1 - margin) of it, with requests waiting at the bound, it grows by
+    one; each decision sees `window` decode steps of an exponential average."""
+    rng = np.random.default_rng()
+    slo = float(rng.uniform(0.02, 0.2))
+    p = policies.SLA(tpot_slo=slo, shrink=0.25, margin=0.2, window=4, smoothing=0.3)
+    engine = fake_engine(16, 10)
+    assert p.row_limit(engine) == 16
+    expected = 16
+    for _ in range(3):  # slow steps: 16 -> 12 -> 9 -> 6, the batch draining to each bound
+        for _ in range(4):
+            p.observe(engine, slo * 3, [])
+        expected = max(1, math.floor(expected * 0.75))
+        assert p.b_sla == expected
+        engine.running = engine.running[:expected]
+    for _ in range(4):  # still slow, but the batch has not drained to the bound: no cut
+        engine.running = fake_engine(expected + 2, 0).running
+        p.observe(engine, slo * 3, [])
+    assert p.b_sla == expected
+    engine.running = fake_engine(expected, 0).running
+    for step in range(60):  # fast steps, requests waiting at the bound: one more per window
+        p.observe(engine, slo * 0.1, [])
+        engine.running = fake_engine(p.b_sla, 0).running
+    assert p.b_sla == 16  # and no further than max_num_seqs
+    engine.waiting = []
+    for _ in range(8):
+        p.observe(engine, slo * 0.1, [])
+    assert p.b_sla == 16
+
+
+def test_the_sla_prediction_is_the_average_finished_output():
+    p = policies.SLA()
+    r = Request("a", list(range(40)), SamplingParams(max_tokens=100))
+    assert p.predicted_tokens(r) == 140  # nothing finished yet: max_tokens
+    rng = np.random.default_rng()
+    lengths = rng.integers(5, 60, 30)
+    engine = fake_engine(0, 0)
+    engine.last_step = dict(decode_rows=0)
+    for n in lengths:
+        done = Request("d", [1], SamplingParams(max_tokens=100))
+        done.output_ids = [0] * int(n)
+        p.observe(engine, 0.01, [types.SimpleNamespace(finished=True, finish_reason="length", request=done)])
+    mean = float(lengths[0])
+    for n in lengths[1:]:
+        mean = 0.9 * mean + 0.1 * float(n)
+    assert p.predicted_tokens(r) == 40 + math.ceil(mean)
+    r.output_ids = [0] * 90
+    assert p.predicted_tokens(r) == 40 + 91  # at least what it has and one more
+
+
+def test_bad_policy_settings_are_one_line_errors(tiny):
+    assert_one_line_error(policies.SLA, tpot_slo=0, match="tpot_slo")
+    assert_one_line_error(policies.SLA, tpot_slo=float("nan"), match="tpot_slo")
+    assert_one_line_error(policies.SLA, 0.1, shrink=1.0, match="shrink")
+    assert_one_line_error(Engine, tiny, policy="lottery", match="unknown scheduling policy")
+    assert isinstance(Engine(tiny, max_num_seqs=2, max_model_len=64, policy=policies.SLA(0.05)).policy,
+                      policies.SLA)
