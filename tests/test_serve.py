@@ -212,6 +212,28 @@ def test_a_repeated_long_prompt_reports_cached_tokens(client, smol):
     assert second.choices[0].text == first.choices[0].text
 
 
+def _ttft(client, prompt) -> tuple[float, str]:
+    """Seconds from sending a streamed request to its first text, and the whole text."""
+    start, first, text = time.monotonic(), None, ""
+    for chunk in complete(client, prompt, max_tokens=4, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            first = first or time.monotonic()
+            text += chunk.choices[0].text
+    return first - start, text
+
+
+def test_a_prefix_hit_lowers_the_time_to_first_token(client):
+    """A fresh ~300-token prompt runs in 10 chunks of this server's 32-token budget; sent
+    again, all but its last page come from the cache and its first token from one step."""
+    rng = np.random.default_rng()
+    words = ["river", "stone", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "velvet"]
+    prompt = " ".join(rng.choice(words, 150)) + "."
+    cold, text = _ttft(client, prompt)
+    warm, again = _ttft(client, prompt)
+    assert again == text
+    assert warm < 0.5 * cold, (warm, cold)
+
+
 def test_a_seed_gives_the_same_text_whatever_runs_beside_it(client):
     kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=123)
     alone = complete(client, PROMPTS[1], **kw).choices[0].text
@@ -369,6 +391,30 @@ def test_metrics_parse_and_have_the_histograms(url, client):
     assert s["jaxdec:prefix_cache_hit_tokens_total"] > 0
     assert s["jaxdec:generation_tokens_total"] > 0 and s["jaxdec:prompt_tokens_total"] > 0
     assert s["jaxdec:num_preemptions_total"] >= 0
+
+
+def test_four_times_the_pools_capacity_all_finish_through_preemption(smol):
+    """Another server, on a pool of 4 pages of 32 tokens: 11 concurrent requests of about 50
+    tokens each ask for 4x what it holds. Every one finishes with all its tokens, requests
+    for the same prompt get the same text, preemptions happened, and the pages come back."""
+    engine = Engine(smol, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, num_pages=4)
+    with running(make_app(engine, "small-pool")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(11)]
+        demand = sum(len(smol.tokenizer.encode(p)) + 40 for p in prompts)
+        assert demand >= 4 * 4 * 32, demand
+        with concurrent.futures.ThreadPoolExecutor(11) as pool:
+            futures = [pool.submit(client.completions.create, model="small-pool", prompt=p, max_tokens=40,
+                                   temperature=0.0, extra_body={"ignore_eos": True}) for p in prompts]
+            answers = [f.result() for f in futures]
+        texts = {}
+        for p, a in zip(prompts, answers):
+            assert a.usage.completion_tokens == 40 and a.choices[0].finish_reason == "length"
+            assert texts.setdefault(p, a.choices[0].text) == a.choices[0].text
+        after = stats(url)
+        assert after["jaxdec:num_preemptions_total"] > 0
+        assert after["jaxdec:num_requests_running"] == after["jaxdec:num_requests_waiting"] == 0
+        assert after["jaxdec:kv_pages_used"] == 0
 
 
 def test_a_request_the_pool_can_never_hold_is_refused_and_a_dead_loop_is_a_503(smol):
