@@ -108,4 +108,8 @@ def test_cli_flags():
     assert r.stdout.strip() == ours.texts[0].strip()
     r = run("generate", "--prompt", "hi", "--kv-cache", "int3")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip() == "jaxdec: error: unknown KV cache kind 'int3' (one of dense, paged, int8, int4, window)"
+    from jaxdec.cache import registry
+
+    kinds = registry.names()  # (in registration order, which follows the modules' imports)
+    assert set(kinds) == {"dense", "paged", "int8", "int4", "window"}
+    assert r.stderr.strip() == f"jaxdec: error: unknown KV cache kind 'int3' (one of {', '.join(kinds)})"
