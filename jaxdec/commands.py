@@ -73,13 +73,13 @@ def _load(args):
     return model
 
 
-def _prefetch_programs(command: str, args) -> None:
+def _prefetch_programs(command: str, args, limit: int | None = None) -> None:
     """Start loading the compiled programs the last `command` of these settings ran (see
-    `exec_cache.prefetch`): they load while the model does."""
+    `exec_cache.prefetch`; at most `limit`): they load while the model does."""
     from jaxdec import exec_cache
 
-    exec_cache.prefetch(repr((command, sorted((k, v) for k, v in vars(args).items()
-                                              if k not in ("prompt", "seed")))))
+    tag = repr((command, sorted((k, v) for k, v in vars(args).items() if k not in ("prompt", "seed", "port"))))
+    exec_cache.prefetch(tag, limit or exec_cache.PREFETCH_MAX)
 
 
 def _drafter(args, model):
@@ -409,6 +409,7 @@ def serve(args) -> int:
 
     policy = policies.make(args.policy, tpot_slo=args.tpot_slo)  # (bad flags fail before the model loads)
     sock = server.listen(args.host, args.port)  # (as does a taken port)
+    _prefetch_programs("serve", args, limit=64)  # (every step shape the engine warms up)
     model = _load(args)  # (--kv-cache picks the engine's page pool; it refuses kinds it lacks)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens, policy=policy,

@@ -58,6 +58,7 @@ _process_ident: str | None = None
 _prefetching: dict[str, threading.Event] = {}  # digest -> set once its prefetch ended
 _prefetched: dict[str, tuple[str, jax.stages.Compiled] | None] = {}  # digest -> (key, exe)
 _tag: str | None = None  # the prefetch tag of this process: the digests it uses are kept
+_limit = 4  # how many of them (`prefetch`'s limit)
 _used: list[str] = []
 
 stats: collections.Counter = collections.Counter()
@@ -83,20 +84,21 @@ def disable() -> None:
         _used.clear()
 
 
-PREFETCH_MAX = 4  # executables a tag remembers
+PREFETCH_MAX = 4  # executables a tag remembers, unless `prefetch` is told more
 
 
-def prefetch(tag: str) -> threading.Thread | None:
+def prefetch(tag: str, limit: int = PREFETCH_MAX) -> threading.Thread | None:
     """Start loading, on a thread, the executables the last run that called
-    `prefetch(tag)` used, in the order it used them; from now on the digests this process
-    uses are remembered for `tag`. None (nothing to do) when the cache is off or the tag
-    has no list yet."""
-    global _tag
+    `prefetch(tag)` used, in the order it used them; from now on the first `limit`
+    digests this process uses are remembered for `tag` (a server warming up its step
+    shapes uses more than a command's few). None (nothing to do) when the cache is off or
+    the tag has no list yet."""
+    global _tag, _limit
     if _dir is None:
         return None
-    _tag = tag
+    _tag, _limit = tag, limit
     try:
-        digests = _recent_path(tag).read_text().split()[:PREFETCH_MAX]
+        digests = _recent_path(tag).read_text().split()[:limit]
     except OSError:
         return None
     digests = [d for d in digests if len(d) == 40 and all(c in "0123456789abcdef" for c in d)]
@@ -130,7 +132,7 @@ def _recent_path(tag: str) -> pathlib.Path:
 
 def _remember(digest: str) -> None:
     """Add `digest` to this process's list for its prefetch tag, rewritten atomically."""
-    if _tag is None or digest in _used or len(_used) >= PREFETCH_MAX:
+    if _tag is None or digest in _used or len(_used) >= _limit:
         return
     _used.append(digest)
     try:
@@ -149,17 +151,25 @@ def directory() -> pathlib.Path | None:
 
 def call(fn, *args, **static):
     """`fn(*args, **static)` for a jitted `fn`, through the cache when it is enabled."""
+    exe = compiled(fn, *args, **static)
+    return fn(*args, **static) if exe is None else exe(*args)
+
+
+def compiled(fn, *args, **static) -> jax.stages.Compiled | None:
+    """The executable `call` would run for these arguments (to call again and again with
+    arguments of the same signature, skipping the key); None when the cache is off or a
+    static argument has no stable repr (then the jit is the way to call it)."""
     if _dir is None:
-        return fn(*args, **static)
+        return None
     key = _key(fn, args, static)
     if key is None:  # a static argument without a stable repr: let jit key it
-        return fn(*args, **static)
+        return None
     digest = hashlib.sha256(key.encode()).hexdigest()[:40]
     with _lock:
         exe = _loaded.get(digest)
     if exe is not None:
         stats["memory"] += 1
-        return exe(*args)
+        return exe
     exe = _take_prefetched(digest, key)
     if exe is not None:
         stats["prefetched"] += 1
@@ -172,7 +182,7 @@ def call(fn, *args, **static):
     with _lock:
         _loaded[digest] = exe
     _remember(digest)
-    return exe(*args)
+    return exe
 
 
 def _take_prefetched(digest: str, key: str) -> jax.stages.Compiled | None:

@@ -5,6 +5,7 @@ that can never run are refused at once in one line."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,8 +162,24 @@ def tiny():
 
 def test_a_warm_engine_compiles_nothing_new(tiny):
     engine = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=160)
-    engine.warmup()
-    compiled = run_rows._cache_size()
+    assert engine.warmup() == len(engine._steps)
+    compiled = []
+
+    def listen(event, secs, **kw):
+        if event.endswith("backend_compile_duration"):
+            compiled.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run_random_requests(engine)
+        assert not compiled and run_rows._cache_size() == 0  # (every step ran a warmed executable)
+        assert len(engine._steps) == engine.warmup()
+        jax.jit(lambda x: x * 3 + 1)(np.arange(int(np.random.default_rng().integers(2, 99))))
+        assert compiled  # (the listener does hear a compile)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def run_random_requests(engine):
     rng = np.random.default_rng()
     for n in (1, 2, 7, 31, 64, 65, 100):
         for _ in range(2):
@@ -173,7 +190,6 @@ def test_a_warm_engine_compiles_nothing_new(tiny):
             engine.add_request(rng.integers(0, 256, n).tolist(), params)
     while engine.has_unfinished():
         engine.step()
-    assert run_rows._cache_size() == compiled
 
 
 def test_requests_that_can_never_run_are_refused_at_once(tiny):

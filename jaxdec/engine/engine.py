@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdec import exec_cache
 from jaxdec.batching import bucket, bucket_sizes, check_ids
 from jaxdec.cache import dense, quantized
 from jaxdec.cache.paged import page_pool
@@ -128,6 +129,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._watched: dict[str, list[RequestOutput]] = {}
         self._rng = np.random.default_rng(seed)
+        self._steps = {}  # (rows, chunk, table width) -> the step's executable
         self._next_id = 0
         self.last_step = dict(decode_rows=0, prefill_rows=0, tokens=0)  # what the last step ran
         self.counters = dict(steps=0, preemptions=0, prefix_hit_tokens=0, prefix_query_tokens=0,
@@ -336,14 +338,25 @@ class Engine:
                     prefill_chunk=bucket_sizes(32, bucket(min(self.max_chunk, self.max_num_batched_tokens), 32)))
 
     def warmup(self) -> int:
-        """Compile every bucket now (padding only: nothing is written but the scratch page)
-        -> how many shapes; afterwards no prompt, length or setting compiles anything."""
+        """Compile every bucket's step now, or load it from jaxdec's executable cache when
+        that is on (nothing runs) -> how many shapes; afterwards no prompt, length or
+        setting compiles anything."""
         sizes = self.sizes
         shapes = [(self.max_num_seqs, 1, p) for p in sizes["decode_pages"]]
         shapes += [(b, c, self.pages_per_row) for b in sizes["prefill_rows"] for c in sizes["prefill_chunk"]]
         for b, c, p in shapes:
-            self._launch([], b, c, p, decode=False)
+            self._step(b, c, p, self._inputs([], b, c, p, decode=False)[0])
         return len(shapes)
+
+    def _step(self, b: int, c: int, p: int, args):
+        """The executable of the step of shape (rows b, chunk c, table width p): from
+        jaxdec's executable cache when it is on, else compiled here; kept for the engine's
+        life (its `len(engine._steps)` shapes are all it ever compiles)."""
+        step = self._steps.get((b, c, p))
+        if step is None:
+            step = exec_cache.compiled(run_rows, *args, cfg=self.cfg) or run_rows.lower(*args, cfg=self.cfg).compile()
+            self._steps[b, c, p] = step
+        return step
 
     def _run(self, group, *, decode: bool) -> dict:
         """Run one batch of rows -> {request id: (token, logprob, top ids, top logprobs)}."""
@@ -358,6 +371,15 @@ class Engine:
         return self._launch(group, b, c, p, decode=decode)
 
     def _launch(self, group, b: int, c: int, p: int, *, decode: bool) -> dict:
+        args, where = self._inputs(group, b, c, p, decode=decode)
+        sampled, chosen, (top_lp, top_ids), self.pools = self._step(b, c, p, args)(*args)
+        sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
+        return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
+                for rid, row in where.items()}
+
+    def _inputs(self, group, b: int, c: int, p: int, *, decode: bool):
+        """`run_rows`'s arguments for these rows in a [b, c] batch over a table of width p
+        -> (the arguments, {request id: its row})."""
         tokens, positions = np.zeros((b, c), np.int32), np.full((b, c), -1, np.int32)
         lengths, last, counters = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         table = np.full((b, p), self.scratch, np.int32)
@@ -379,12 +401,9 @@ class Engine:
         # host arrays go in as they are (jnp.asarray would be a transfer program per array)
         row_params = RowParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
         want_top = np.bool_(any(r.params.logprobs for r, _ in group))
-        sampled, chosen, (top_lp, top_ids), self.pools = run_rows(
-            self.model.params, self.pools, table, tokens, positions, lengths, last, row_params,
-            seeds, counters, want_top, cfg=self.cfg)
-        sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
-        return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
-                for rid, row in where.items()}
+        args = (self.model.params, self.pools, table, tokens, positions, lengths, last, row_params,
+                seeds, counters, want_top)
+        return args, where
 
     def _commit(self, plan, results) -> list[RequestOutput]:
         now, outputs = time.monotonic(), []
