@@ -45,6 +45,10 @@ SLOW = (
     'python scripts/launch_multihost.py -n 2 -- jaxdec generate --mesh data=2 -p "Once upon a time"',
 )
 
+SERVE = "jaxdec serve --model smollm2 --port 8000"
+CURL = ("curl http://127.0.0.1:8000/v1/completions -H \"Content-Type: application/json\" -d "
+        "'{\"model\": \"smollm2\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}'")
+
 NOT_RUN = {
     "make demo": "the README's setup; CI runs `make test`, which builds on it",
     "make test": "CI itself",
@@ -57,6 +61,8 @@ NOT_RUN = {
         "needs the distill run above; tests/test_eagle3.py decodes trees from a trained drafter",
     "jaxdec bench --weights f32,gguf --peers hf,llama.cpp --batches 1,8,32,64 --json report.json":
         "about 20 minutes; tests/test_bench_scripts.py runs the bench at small sizes",
+    SERVE: "a server: test_readme_server_examples_work_as_written starts it, then runs the curl",
+    CURL: "needs the server: test_readme_server_examples_work_as_written runs it against one",
 }
 
 
@@ -129,6 +135,40 @@ def test_readme_python_example_runs_as_written(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Paris" in r.stdout, r.stdout
     assert (tmp_path / "checkpoints" / "smollm2-orbax").is_dir()
+
+
+@pytest.mark.slow
+def test_readme_server_examples_work_as_written(tmp_path):
+    """`jaxdec serve` as the README starts it (port 8000, as written), then its curl line and
+    its `openai` block, each as written: the curl answer names Paris, the stream has text."""
+    import json
+    import socket
+    import time
+
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's server cannot start"
+    argv = [sys.executable, "-m", "jaxdec", *shlex.split(SERVE)[1:]]
+    server = subprocess.Popen(argv, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        for line in server.stderr:
+            if "ready on http://127.0.0.1:8000/v1" in line:
+                break
+            assert time.monotonic() < deadline, "jaxdec serve was not ready within 15 minutes"
+        else:
+            pytest.fail(f"jaxdec serve exited with {server.wait()} before it was ready")
+        r = subprocess.run(shlex.split(CURL), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        answer = json.loads(r.stdout)
+        assert "Paris" in answer["choices"][0]["text"], answer
+        body = next(b for lang, b in _blocks(README.read_text()) if lang == "python" and "OpenAI(" in b)
+        r = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert len(r.stdout.strip()) > 5, r.stdout
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 FOLDER = re.compile(r"`((?:jaxdec|pallas_kernels|scripts|tests|docs)(?:/[\w.]+)*/)`")
