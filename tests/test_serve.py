@@ -426,6 +426,20 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_a_dead_loop_is_a_503(s
         r = _post(url, body)
         assert r.status_code == 400 and "the pool has 4" in r.json()["error"]["message"], r.text
 
+        real = engine.step  # the loop busy in a 2-second step: the refusal does not wait for it
+        def slow():
+            time.sleep(2.0)
+            return real()
+        engine.step = slow
+        busy = threading.Thread(target=httpx2.post, args=(f"{url}/v1/completions",),
+                                kwargs=dict(json={"model": "tiny-pool", "prompt": "hi", "max_tokens": 1}, timeout=30))
+        busy.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        r = _post(url, body)
+        assert time.monotonic() - start < 1.0 and r.status_code == 400, r.text
+        busy.join()
+
         def broken():
             raise RuntimeError("device lost")
         engine.step = broken

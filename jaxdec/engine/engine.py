@@ -152,16 +152,7 @@ class Engine:
         pool could never hold is refused at once with a one-line `JaxdecError`."""
         params = SamplingParams() if params is None else params
         ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise JaxdecError("empty prompt: nothing to condition on")
-        check_ids([ids], self.cfg.vocab_size)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise JaxdecError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds "
-                              f"the engine's context of {self.max_model_len} tokens")
-        if -(-total // self.page_size) > self.pool.n_pages:
-            raise JaxdecError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs "
-                              f"{-(-total // self.page_size)} pages; the pool has {self.pool.n_pages}")
+        self.check(ids, params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -175,6 +166,21 @@ class Engine:
         self._seeds[request_id] = params.seed if params.seed is not None else int(self._rng.integers(2**62))
         self.waiting.append(request)
         return request_id
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse, with a one-line `JaxdecError`, a prompt (token ids) the model or the pool
+        could never hold. It reads only what never changes, so any thread may ask (the
+        server does, so that a refusal never waits for a step)."""
+        if not ids:
+            raise JaxdecError("empty prompt: nothing to condition on")
+        check_ids([ids], self.cfg.vocab_size)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise JaxdecError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds "
+                              f"the engine's context of {self.max_model_len} tokens")
+        if -(-total // self.page_size) > self.pool.n_pages:
+            raise JaxdecError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs "
+                              f"{-(-total // self.page_size)} pages; the pool has {self.pool.n_pages}")
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its row and pages are freed at once."""

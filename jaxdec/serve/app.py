@@ -107,6 +107,8 @@ class Server:
         items = [Submission(r, prompts[i // body.n], params[i % body.n], arrival, body.priority)
                  for i, r in enumerate(rids)]
         try:
+            for s in items:  # (refused here, at once: the engine's loop may be mid-step)
+                self.front.engine.check(s.prompt_ids, s.params)
             queue = await self.front.submit(items)
         except JaxdecError as e:
             raise ApiError(400, str(e)) from None
