@@ -180,14 +180,15 @@ def test_a_warm_engine_compiles_nothing_new(tiny):
 
 
 def run_random_requests(engine):
+    """20 random (prompt length, max tokens, stop set, sampling) combinations, the extremes
+    of the prompt lengths among them."""
     rng = np.random.default_rng()
-    for n in (1, 2, 7, 31, 64, 65, 100):
-        for _ in range(2):
-            params = SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0, 0.7])),
-                                    top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
-                                    stop=tuple(rng.choice(["ab", "\n", "zz"], size=int(rng.integers(0, 3)))),
-                                    seed=int(rng.integers(1 << 40)))
-            engine.add_request(rng.integers(0, 256, n).tolist(), params)
+    for n in [1, 100, *rng.integers(1, 101, 18)]:
+        params = SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0, 0.7])),
+                                top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
+                                stop=tuple(rng.choice(["ab", "\n", "zz"], size=int(rng.integers(0, 3)))),
+                                seed=int(rng.integers(1 << 40)))
+        engine.add_request(rng.integers(0, 256, int(n)).tolist(), params)
     while engine.has_unfinished():
         engine.step()
 
