@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 JAXDEC := $(BIN)/jaxdec
 DEMO_PROMPT ?= Give me three tips for a good night's sleep.
 
-.PHONY: demo test test-all bench models corpora clean
+.PHONY: demo test test-all bench bench-serve llama-server models corpora clean
 
 demo: $(VENV)/.demo
 	$(JAXDEC) generate --model smollm2 --chat --max-new-tokens 160 --temperature 0.2 --top-p 0.9 --seed 0 \
@@ -18,8 +18,9 @@ test: $(VENV)/.test $(VENV)/.bench models corpora
 	$(BIN)/python -m pytest --durations=15
 
 # Everything, the tests in tests/slow.txt and the other -m slow checks included (about an
-# hour on 2 cores). It must pass before an issue is resolved.
-test-all: $(VENV)/.test $(VENV)/.bench models corpora
+# hour on 2 cores). It must pass before an issue is resolved. The slow tier also runs
+# `jaxdec bench serve --quick` against llama.cpp's server, hence llama-server.
+test-all: $(VENV)/.test $(VENV)/.bench llama-server models corpora
 	$(BIN)/python -m pytest -m "slow or not slow" --durations=30
 
 models: $(VENV)/.demo
@@ -65,7 +66,8 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(c
 	-DGGML_AVX512=$(call has,avx512f) -DGGML_AVX512_VBMI=$(call has,avx512vbmi) \
 	-DGGML_AVX512_BF16=$(call has,avx512_bf16) -DGGML_AVX_VNNI=$(VNNI) -DGGML_AVX512_VNNI=$(VNNI) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+LLAMA_FLAGS_SUM := $(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
 
 bench: $(VENV)/.bench
 
@@ -81,6 +83,37 @@ $(LLAMA_STAMP): | $(VENV)/.test
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
 		--force-reinstall --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	touch $@
+
+# llama.cpp's own HTTP server, the peer of `jaxdec bench serve`: built from the sources that
+# llama-cpp-python $(LLAMA_CPP_VERSION) vendors (its sdist), with the instruction-set flags above,
+# statically linked, installed as $(BIN)/llama-server. Not a dependency of `make test`
+# (it takes minutes to build); `make test-all` and `make bench-serve` build it.
+LLAMA_SERVER_STAMP := $(VENV)/.llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
+LLAMA_SERVER_BUILD := $(VENV)/build/llama-server
+LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	-DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF
+
+llama-server: $(LLAMA_SERVER_STAMP)
+
+$(LLAMA_SERVER_STAMP): | $(BIN)/python
+	rm -rf $(LLAMA_SERVER_BUILD) && mkdir -p $(LLAMA_SERVER_BUILD)
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: \
+		"llama-cpp-python==$(LLAMA_CPP_VERSION)" -d $(LLAMA_SERVER_BUILD)
+	tar -xzf $(LLAMA_SERVER_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_SERVER_BUILD)
+	cmake -S $(LLAMA_SERVER_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp \
+		-B $(LLAMA_SERVER_BUILD)/build $(LLAMA_SERVER_CMAKE_ARGS) > $(LLAMA_SERVER_BUILD)/configure.log
+	cmake --build $(LLAMA_SERVER_BUILD)/build --target llama-server -j $(shell nproc)
+	install -m 755 $(LLAMA_SERVER_BUILD)/build/bin/llama-server $(BIN)/llama-server
+	$(BIN)/llama-server --version
+	rm -rf $(LLAMA_SERVER_BUILD)
+	touch $@
+
+# jaxdec serve's scheduling policies against llama.cpp's server under the same load (~1 hour
+# on 2 cores); `make bench-serve BENCH_SERVE_FLAGS=--quick` for a smoke run.
+BENCH_SERVE_FLAGS ?=
+bench-serve: $(VENV)/.bench llama-server corpora
+	$(JAXDEC) bench serve --json bench-serve.json --plot bench-serve.png $(BENCH_SERVE_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

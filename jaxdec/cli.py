@@ -8,6 +8,7 @@
     jaxdec eval ppl --model SRC --corpus prose|code
     jaxdec fetch    qwen2.5-coder-0.5b | gemma3-270m | corpora
     jaxdec serve    --model smollm2 --port 8000   (OpenAI-compatible: /v1/completions, ...)
+    jaxdec bench    [serve --systems fcfs,sla,llama.cpp --json out.json]   (peers side by side)
     jaxdec distill  --target smollm2 --drafter small|eagle3|pard --out DIR [--steps N ...]
 
 Every user error is one line on stderr and a non-zero exit; never a traceback.
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-ttft", action="store_true", help="skip the CLI start-up timings")
     b.add_argument("--json", default=None, help="write every figure to this file")
+    _bench_serve_parser(b.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="{serve}"))
     _distill_parser(sub)
     return parser
 
@@ -182,6 +184,36 @@ def _serve_parser(sub) -> None:
                    help="seconds per output token that the sla policy keeps decoding under (default 0.1)")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV pages of shared prompt prefixes")
+
+
+def _bench_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="the HTTP server under load, its policies beside llama.cpp's server")
+    s.add_argument("--model", "-m", default="smollm2", help="a named model or a .gguf file (both servers load it)")
+    s.add_argument("--systems", default="fcfs,static,prefill-first,sla,llama.cpp",
+                   help="comma-separated: jaxdec serve policies (fcfs, static, prefill-first, sla) "
+                        "and llama.cpp (its llama-server)")
+    s.add_argument("--rates", default=None, help="Poisson request rates per second, comma-separated "
+                   "(default 1,2,3,4,6,8; --quick: 1,4)")
+    s.add_argument("--requests", type=int, default=None, help="requests per rate and in the burst "
+                   "(default 48; --quick: 8)")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (llama.cpp: slots)")
+    s.add_argument("--static-seqs", default=None, help="also run fcfs at each of these --max-num-seqs, "
+                   "comma-separated (default 4,8,16; --quick: none): the fixed batch limits sla is set against")
+    s.add_argument("--clients", default="1,16", help="closed-loop client counts, comma-separated")
+    s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds to the first token (default 2)")
+    s.add_argument("--tpot-slo", type=float, default=0.1,
+                   help="seconds per output token (default 0.1); the sla policy's target too")
+    s.add_argument("--context", type=int, default=1024, help="tokens per request: jaxdec's "
+                   "--max-model-len, llama.cpp's context per slot")
+    s.add_argument("--seed", type=int, default=0, help="which prompts and arrivals")
+    s.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the llama-server binary (default: beside this Python, then PATH)")
+    s.add_argument("--llama-threads", type=int, default=None, metavar="N",
+                   help="llama-server's -t (default: every core). Its threads wait for each other "
+                        "at every op: on a host busy with other work, fewer can be faster")
+    s.add_argument("--quick", action="store_true", help="a small smoke run")
+    s.add_argument("--json", default=None, help="write every figure to this file")
+    s.add_argument("--plot", default="bench-serve.png", help="queue length over time (PNG)")
 
 
 def _distill_parser(sub) -> None:

@@ -378,7 +378,24 @@ def fetch(args) -> int:
     return 0
 
 
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _numbers(flag: str, text: str, kind=int) -> tuple:
+    try:
+        values = tuple(kind(x) for x in _split(text))
+    except ValueError:
+        raise JaxdecError(f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'} "
+                          f"(got {text!r})") from None
+    if not values or min(values) <= 0 or not all(math.isfinite(v) for v in values):
+        raise JaxdecError(f"{flag} must list positive values (got {text!r})")
+    return values
+
+
 def bench(args) -> int:
+    if getattr(args, "bench_command", None) == "serve":
+        return _bench_serve(args)
     from jaxdec.bench import decode_bench
 
     split = lambda text: tuple(x for x in text.split(",") if x)
@@ -397,6 +414,36 @@ def bench(args) -> int:
         model=args.model, weights=split(args.weights), peers=split(args.peers), batches=batches,
         new_tokens=args.new_tokens, repeats=args.repeats, ttft=not args.no_ttft)
     return decode_bench.main(settings, args.json)
+
+
+def _bench_serve(args) -> int:
+    """`jaxdec bench serve`: each server under the same load (jaxdec.bench.serve_bench)."""
+    from jaxdec.bench import serve_bench
+
+    systems = _split(args.systems)
+    known = (*serve_bench.POLICIES, serve_bench.LLAMA_CPP)
+    unknown = [x for x in systems if x not in known]
+    if unknown or not systems or len(set(systems)) < len(systems):
+        raise JaxdecError(f"--systems takes distinct names among {', '.join(known)} (got {args.systems!r})")
+    base = serve_bench.QUICK if args.quick else serve_bench.Settings()  # (what a flag not given takes)
+    rates = _numbers("--rates", args.rates, float) if args.rates else base.rates
+    seqs = _numbers("--static-seqs", args.static_seqs) if args.static_seqs else base.static_seqs
+    requests = base.requests if args.requests is None else args.requests
+    threads = base.threads if args.llama_threads is None else args.llama_threads
+    for flag, value in (("--requests", requests), ("--max-num-seqs", args.max_num_seqs),
+                        ("--context", args.context), ("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo),
+                        ("--llama-threads", threads)):
+        if not value > 0:
+            raise JaxdecError(f"{flag} must be positive (got {value})")
+    binary = serve_bench.find_llama_server(args.llama_server) if serve_bench.LLAMA_CPP in systems else None
+    settings = serve_bench.Settings(
+        model=args.model, systems=systems, rates=tuple(sorted(set(rates))), requests=requests,
+        max_num_seqs=args.max_num_seqs, static_seqs=tuple(sorted(set(seqs))),
+        clients=tuple(sorted(set(_numbers("--clients", args.clients)))), ttft_slo=args.ttft_slo,
+        tpot_slo=args.tpot_slo, context=args.context, seed=args.seed, llama_server=binary,
+        threads=threads)
+    serve_bench.gguf_path(settings.model)  # (a model neither server can load: refused now)
+    return serve_bench.main(settings, args.json, args.plot)
 
 
 def serve(args) -> int:

@@ -8,7 +8,8 @@
    after every prompt ran.
 2. **Mixed workload.** 64 requests whose prompts and output lengths come from the corpora
    (a prose or code document's opening; output lengths drawn from the lengths of other
-   documents, clipped to [8, 128]), arriving as a Poisson process, through the engine
+   documents, clipped to [8, 128]; `jaxdec.bench.workload`, which `jaxdec bench serve`
+   sends to the HTTP servers), arriving as a Poisson process, through the engine
    against static batching of the same requests: groups of `max_num_seqs` in arrival
    order, each group run to completion by `jaxdec.generate` once its last request arrived.
    Reported: the time until the last request finished (makespan), and its ratio.
@@ -25,6 +26,8 @@ import json
 import time
 
 import numpy as np
+
+from jaxdec.bench.workload import workload
 
 
 def one_jit_decoder(model, prompt, batch: int, n_new: int):
@@ -84,19 +87,6 @@ def decode_rates(model, prompt, batch: int, n_new: int, pairs: int = 3) -> list[
     machine's state, so their ratio holds when the host's speed drifts."""
     one_jit, engine = one_jit_decoder(model, prompt, batch, n_new), engine_decoder(model, prompt, batch, n_new)
     return [(engine(), one_jit()) for _ in range(pairs)]
-
-
-def workload(model, n: int, rate: float, seed: int):
-    """n (prompt ids, output length, arrival s) from the corpora, Poisson arrivals."""
-    from jaxdec import corpora
-
-    rng = np.random.default_rng(seed)
-    docs = [d for name in ("prose", "code") for d in corpora.corpus_documents(name) if len(d) > 200]
-    picks = rng.choice(len(docs), size=2 * n, replace=False)
-    prompts = [model.tokenizer.encode(docs[i][:int(rng.integers(200, 1200))]) for i in picks[:n]]
-    lengths = [int(np.clip(len(model.tokenizer.encode(docs[i][:600])) // 2, 8, 128)) for i in picks[n:]]
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
-    return [(p[:400], m, float(a)) for p, m, a in zip(prompts, lengths, arrivals)]
 
 
 def run_engine(model, load, max_num_seqs: int) -> tuple[float, list]:
@@ -202,7 +192,7 @@ def main(argv=None) -> int:
 
 
 def mixed(model, a, report) -> None:
-    load = workload(model, a.requests, a.rate, a.seed)
+    load = workload(model.tokenizer, a.requests, a.rate, a.seed)
     t_engine, out_engine = run_engine(model, load, a.max_num_seqs)
     t_static, out_static = run_static(model, load, a.max_num_seqs)
     same = sum(x == y for x, y in zip(out_engine, out_static))
