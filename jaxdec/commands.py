@@ -398,20 +398,16 @@ def bench(args) -> int:
         return _bench_serve(args)
     from jaxdec.bench import decode_bench
 
-    split = lambda text: tuple(x for x in text.split(",") if x)
-    try:
-        batches = tuple(int(b) for b in split(args.batches))
-    except ValueError:
-        raise JaxdecError(f"--batches must be comma-separated integers (got {args.batches!r})")
-    if not batches or min(batches) < 1 or args.new_tokens < 2 or args.repeats < 1:
-        raise JaxdecError("--batches must be positive, --new-tokens >= 2, --repeats >= 1")
-    if not split(args.weights) and not split(args.peers):
+    batches = _numbers("--batches", args.batches)
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise JaxdecError("--new-tokens must be >= 2 and --repeats >= 1")
+    if not _split(args.weights) and not _split(args.peers):
         raise JaxdecError("nothing to measure: give --weights and/or --peers")
-    for w in split(args.weights):
+    for w in _split(args.weights):
         if w not in api.WEIGHTS:
             raise JaxdecError(f"unknown weight format {w!r} (one of {', '.join(api.WEIGHTS)})")
     settings = decode_bench.Settings(
-        model=args.model, weights=split(args.weights), peers=split(args.peers), batches=batches,
+        model=args.model, weights=_split(args.weights), peers=_split(args.peers), batches=batches,
         new_tokens=args.new_tokens, repeats=args.repeats, ttft=not args.no_ttft)
     return decode_bench.main(settings, args.json)
 

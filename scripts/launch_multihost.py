@@ -16,21 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+from jaxdec.serve.server import free_port
 
 
 def launch(command: list[str], n: int, local_devices: int = 1, timeout: float = 600.0) -> int:
-    port = free_port()
+    port = free_port("localhost")
     procs, outs = [], []
     for rank in range(n):
         env = dict(os.environ, JAXDEC_COORDINATOR=f"localhost:{port}",

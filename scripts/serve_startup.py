@@ -2,19 +2,18 @@
 
     python scripts/serve_startup.py [--model smollm2] [--runs 2] [--cache DIR] [-- serve flags]
 
-Each run starts `jaxdec serve --port 0` as a fresh process, reads the port from its ready
-line, sends one completion with the official `openai` client and stops it. The first run
-on an empty `--cache` (a temporary folder by default) is a cold start: it compiles every
-step shape and stores the executables; the runs after it are warm starts, which load them.
-Printed: seconds to the ready line and to the first answer, for each run.
+Each run starts `jaxdec serve` on a free port as a fresh process (`serve_bench.serving`,
+which waits until GET /health answers), sends one completion with the official `openai`
+client and stops it. The first run on an empty `--cache` (a temporary folder by default)
+is a cold start: it compiles every step shape and stores the executables; the runs after
+it are warm starts, which load them. Printed: seconds to ready and to the first answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
+import pathlib
 import sys
 import tempfile
 import time
@@ -23,24 +22,17 @@ import time
 def one_start(model: str, cache: str, extra: list[str]) -> tuple[float, float]:
     import openai
 
-    env = dict(os.environ, JAXDEC_XLA_CACHE=cache)
+    from jaxdec.bench.serve_bench import serving
+    from jaxdec.serve.server import free_port
+
+    argv = [sys.executable, "-m", "jaxdec", "serve", "--model", model, "--port", str(free_port()), *extra]
+    os.environ["JAXDEC_XLA_CACHE"] = cache  # (the child's compilation caches)
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "jaxdec", "serve", "--model", model, "--port", "0", *extra],
-                            stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        for line in proc.stderr:
-            found = re.search(r"ready on (http://\S+/v1)", line)
-            if found:
-                break
-        else:
-            raise SystemExit(f"jaxdec serve exited with {proc.wait()} before it was ready")
+    with serving(argv, pathlib.Path(cache, "server.log"), timeout_s=1800) as url:
         ready = time.monotonic() - start
-        client = openai.OpenAI(base_url=found.group(1), api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
         client.completions.create(model=model, prompt="Hello", max_tokens=4)
         return ready, time.monotonic() - start
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def main() -> None:
@@ -52,9 +44,10 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache = a.cache or tmp
+        pathlib.Path(cache).mkdir(parents=True, exist_ok=True)
         for i in range(a.runs):
+            kind = "warm" if any(pathlib.Path(cache).rglob("*.exe")) else "cold"  # (stored executables)
             ready, answered = one_start(a.model, cache, a.extra)
-            kind = "cold" if i == 0 and a.cache is None else "warm"
             print(f"run {i + 1} ({kind}): ready in {ready:.1f} s, first answer at {answered:.1f} s", flush=True)
 
 

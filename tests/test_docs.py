@@ -143,20 +143,13 @@ def test_readme_server_examples_work_as_written(tmp_path):
     its `openai` block, each as written: the curl answer names Paris, the stream has text."""
     import json
     import socket
-    import time
+
+    from jaxdec.bench.serve_bench import serving
 
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's server cannot start"
     argv = [sys.executable, "-m", "jaxdec", *shlex.split(SERVE)[1:]]
-    server = subprocess.Popen(argv, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 900
-        for line in server.stderr:
-            if "ready on http://127.0.0.1:8000/v1" in line:
-                break
-            assert time.monotonic() < deadline, "jaxdec serve was not ready within 15 minutes"
-        else:
-            pytest.fail(f"jaxdec serve exited with {server.wait()} before it was ready")
+    with serving(argv, tmp_path / "server.log", timeout_s=900):  # (ready: GET /health answers)
         r = subprocess.run(shlex.split(CURL), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         answer = json.loads(r.stdout)
@@ -166,9 +159,6 @@ def test_readme_server_examples_work_as_written(tmp_path):
                            timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         assert len(r.stdout.strip()) > 5, r.stdout
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 FOLDER = re.compile(r"`((?:jaxdec|pallas_kernels|scripts|tests|docs)(?:/[\w.]+)*/)`")

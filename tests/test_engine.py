@@ -221,21 +221,36 @@ def sixteen_prompts() -> list[str]:
     return list(FIXED) + shared
 
 
+def drive(engine, prompts, params, per_step=2, watch=None):
+    """Staggered arrivals: add prompts `per_step` at a time, stepping between; after each
+    step `watch(engine, running ids before it, whether one of them was decoding)` -> the
+    request ids, in the prompts' order."""
+    queue, ids = list(prompts), []
+    while queue or engine.has_unfinished():
+        ids += [engine.add_request(p, params) for p in queue[:per_step]]
+        queue = queue[per_step:]
+        before = {r.id for r in engine.running}
+        decoding = any(r.output_ids for r in engine.running)
+        engine.step()
+        if watch:
+            watch(engine, before, decoding)
+    return ids
+
+
 def run_schedule(model, prompts, *, max_chunk, prefix, preempt_every=4, max_tokens=16):
     """Arrivals two per step; every `preempt_every` steps the newest running request is
     preempted (and recomputed later) -> {prompt index: output ids}, the engine."""
     engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=48, max_chunk=max_chunk,
                     page_size=16, max_model_len=256, enable_prefix_caching=prefix, fill=float("nan"))
-    queue, ids, steps = list(enumerate(prompts)), {}, 0
-    while queue or engine.has_unfinished():
-        for i, p in queue[:2]:
-            ids[i] = engine.add_request(p, SamplingParams(max_tokens=max_tokens))
-        queue = queue[2:]
-        engine.step()
-        steps += 1
-        if steps % preempt_every == 0 and engine.running:
+
+    steps = iter(range(1, 1 << 30))
+
+    def preempt(engine, before, decoding):
+        if next(steps) % preempt_every == 0 and engine.running:
             engine.preempt(max(engine.running, key=lambda r: r.arrival).id)
-    return {i: engine.requests[rid].output_ids for i, rid in ids.items()}, engine
+
+    ids = drive(engine, prompts, SamplingParams(max_tokens=max_tokens), watch=preempt)
+    return {i: engine.requests[rid].output_ids for i, rid in enumerate(ids)}, engine
 
 
 @pytest.mark.parametrize("model_name", ["smollm2", "qwen2.5-coder-0.5b"])

@@ -16,45 +16,15 @@ import types
 import numpy as np
 import pytest
 
-import jaxdec
-from conftest import assert_one_line_error, jax_model
-from jaxdec import api
+from conftest import assert_one_line_error
 from jaxdec.engine import policy as policies
 from jaxdec.engine.engine import Engine
 from jaxdec.engine.request import Request, SamplingParams
-from tiny_hf import build, byte_tokenizer
-from test_engine import PROMPTS, divergence
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return jax_model("smollm2")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    _, cfg, params = build("llama", seed=5)
-    return api.Model(cfg=cfg, params=params, tokenizer=byte_tokenizer(), source="tiny")
-
-
-def drive(engine, prompts, params, per_step=2, watch=None):
-    """Add prompts `per_step` at a time, stepping between; `watch(engine, before)` after each
-    step, with the running ids before it -> the request ids."""
-    queue, ids = list(prompts), []
-    while queue or engine.has_unfinished():
-        ids += [engine.add_request(p, params) for p in queue[:per_step]]
-        queue = queue[per_step:]
-        before = {r.id for r in engine.running}
-        decoding = any(r.output_ids for r in engine.running)
-        engine.step()
-        if watch:
-            watch(engine, before, decoding)
-    return ids
+from test_engine import PROMPTS, divergence, drive, reference, smol, tiny  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("name", ["static", "prefill-first", "sla"])
-def test_every_policy_gives_generates_tokens_and_keeps_its_schedule(smol, name):
-    reference = {p: list(jaxdec.generate(smol, [p], max_new_tokens=20).token_ids[0]) for p in PROMPTS}
+def test_every_policy_gives_generates_tokens_and_keeps_its_schedule(smol, reference, name):
     engine = Engine(smol, max_num_seqs=3, max_num_batched_tokens=48, page_size=16, max_model_len=256,
                     policy=name)
     seen = dict(mixed=0, late_admissions=0)

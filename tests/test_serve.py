@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -469,15 +468,9 @@ def test_bad_serve_flags_are_one_line_errors(flags, needle):
     assert len(lines) == 1 and lines[0].startswith("jaxdec: error:") and needle in lines[0], r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_cli_serves_a_chat_completion():
-    port = _free_port()
+    port = serve_server.free_port()
     env = dict(os.environ, JAXDEC_XLA_CACHE=os.environ.get("JAXDEC_XLA_CACHE", ""))
     proc = subprocess.Popen([sys.executable, "-m", "jaxdec", "serve", "--model", "smollm2", "--port",
                              str(port)], stderr=subprocess.PIPE, text=True, env=env)

@@ -20,7 +20,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import time
 from jaxdec.bench import serve_client, serve_report, serve_stats
 from jaxdec.bench.serve_stats import Slo
 from jaxdec.errors import JaxdecError
+from jaxdec.serve.server import free_port
 
 HOST = "127.0.0.1"
 LLAMA_CPP = "llama.cpp"
@@ -106,12 +106,6 @@ def gguf_path(model: str) -> str:
 
 class ServerFailed(Exception):
     """A server that exited, or was not ready in time."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def _tail(log: pathlib.Path) -> str:
@@ -199,7 +193,7 @@ def drive(url: str, s: Settings, loads: list, closed: list, log) -> dict:
 
 
 def bench_system(system: System, s: Settings, gguf: str, loads: list, closed: list, log) -> dict:
-    argv = system.argv(s, gguf, _free_port())
+    argv = system.argv(s, gguf, free_port(HOST))
     result = {"argv": argv, "policy": system.policy, "max_num_seqs": system.max_num_seqs}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jaxdec-bench-serve-") as tmp:

@@ -351,10 +351,10 @@ class Engine:
         shapes = [(self.max_num_seqs, 1, p) for p in sizes["decode_pages"]]
         shapes += [(b, c, self.pages_per_row) for b in sizes["prefill_rows"] for c in sizes["prefill_chunk"]]
         for b, c, p in shapes:
-            self._step(b, c, p, self._inputs([], b, c, p, decode=False)[0])
+            self._executable(b, c, p, self._inputs([], b, c, p, decode=False)[0])
         return len(shapes)
 
-    def _step(self, b: int, c: int, p: int, args):
+    def _executable(self, b: int, c: int, p: int, args):
         """The executable of the step of shape (rows b, chunk c, table width p): from
         jaxdec's executable cache when it is on, else compiled here; kept for the engine's
         life (its `len(engine._steps)` shapes are all it ever compiles)."""
@@ -378,7 +378,7 @@ class Engine:
 
     def _launch(self, group, b: int, c: int, p: int, *, decode: bool) -> dict:
         args, where = self._inputs(group, b, c, p, decode=decode)
-        sampled, chosen, (top_lp, top_ids), self.pools = self._step(b, c, p, args)(*args)
+        sampled, chosen, (top_lp, top_ids), self.pools = self._executable(b, c, p, args)(*args)
         sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
         return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
                 for rid, row in where.items()}

@@ -3,6 +3,7 @@ error and "ready" is said only once clients can connect.
 
     sock = listen("127.0.0.1", 8000)    # JaxdecError if the address cannot be bound
     run(app, sock)                      # until interrupted
+    port = free_port()                  # a port nobody listens on now (for a child server)
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ def listen(host: str, port: int) -> socket.socket:
         raise JaxdecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of `host` that is free now (the OS's pick), for a server started next."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def run(app, sock: socket.socket, *, log_level: str = "warning") -> None:
