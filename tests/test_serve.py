@@ -93,8 +93,8 @@ def reference(smol):
 
 
 def complete(client, prompt, **kw):
-    kw = dict(max_tokens=MAX, temperature=0.0) | kw
-    return client.completions.create(model="smollm2", prompt=prompt, **kw)
+    kw = dict(model="smollm2", max_tokens=MAX, temperature=0.0) | kw
+    return client.completions.create(prompt=prompt, **kw)
 
 
 def stats(url) -> dict:
@@ -447,6 +447,37 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_a_dead_loop_is_a_503(s
         assert httpx2.get(f"{url}/health").status_code == 503
         r = _post(url, {"model": "tiny-pool", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_an_int8_page_pool_serves_its_engines_texts(smol):
+    """Another server, on SmolLM2 loaded with the int8 cache kind (`jaxdec serve --kv-cache
+    int8`): its page pool holds int8 codes, over 3x the pages of the float pool in the same
+    bytes, and /metrics reports them; each greedy answer, and each concurrent one, is the
+    text the same engine gives that prompt offline, alone (the same step shapes)."""
+    import jax
+
+    model = jaxdec.load("smollm2", kv_cache="int8")
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=512,
+                    kv_cache_memory=24 << 20)
+    engine = Engine(model, **settings)
+    assert {x.dtype for x in jax.tree.leaves(engine.pools) if x.dtype.itemsize == 1} == {np.dtype("int8")}
+    assert engine.pool.n_pages > 3 * Engine(smol, **settings).pool.n_pages
+    offline = Engine(model, **settings)
+    want = {}
+    for p in PROMPTS[:4]:
+        (r,) = offline.generate([p], jaxdec.SamplingParams(max_tokens=MAX))
+        want[p] = offline.text(r.id)
+    with running(make_app(engine, "int8")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+        for p in PROMPTS[:4]:
+            assert complete(client, p, model="int8").choices[0].text == want[p], p
+        values = stats(url)
+        assert values["jaxdec:kv_pages_free"] + values["jaxdec:kv_pages_used"] == engine.pool.n_pages
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: complete(client, p, model="int8"), PROMPTS[:4]))
+        # four at once run [4, 1] decode steps where alone ran [1, 1]: equal up to near-ties
+        same = sum(a.choices[0].text == want[p] for p, a in zip(PROMPTS[:4], answers))
+        assert same >= 3, [(a.choices[0].text, want[p]) for p, a in zip(PROMPTS[:4], answers)]
 
 
 def _cli(*args, timeout=120):

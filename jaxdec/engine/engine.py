@@ -22,11 +22,14 @@ Each `step` schedules on the host, then runs the model once or twice (`step.run_
    victim is preempted: its pages are released and it waits again at the front, to be
    recomputed from its prompt and the tokens it had generated. No request is admitted in
    a step that preempted.
-2. **Run**: rows with one token run as the decode batch ([max_num_seqs, 1], every row, the
-   idle ones padding); rows with a prompt chunk as a prefill batch ([Bp, C]). The sizes are
-   bucketed (`buckets`: Bp and C to powers of two, the decode page-table width to powers
-   of two), so after `warmup` the engine compiles nothing new, whatever the prompts,
-   lengths and settings.
+2. **Run**: rows with one token run as the decode batch ([R, 1]), rows with a prompt chunk
+   as a prefill batch ([Bp, C]), each packed into its first rows whatever pool rows the
+   requests hold. The sizes are bucketed (`buckets`: R, Bp and C to powers of two, the
+   decode page-table width to powers of two), so a lone request decodes at [1, 1], not
+   padded to max_num_seqs rows, and after `warmup` the engine compiles nothing new,
+   whatever the prompts, lengths and settings. (A row's floats depend on its batch's
+   shape, so at near-ties a request's tokens can depend on what runs beside it, as in
+   vLLM without its batch-invariant kernels.)
 3. **Commit**: each row that reached its last token takes the sampled token; stop tokens,
    stop strings (`detok.TextStream`), `max_tokens` end it and free its row and pages at
    once; pages that filled up are published to the prefix cache.
@@ -336,10 +339,11 @@ class Engine:
         self.waiting.insert(0, r)
 
     def buckets(self) -> dict[str, list[int]]:
-        """The compiled sizes (`batching.bucket`): decode batches are [max_num_seqs, 1] over
+        """The compiled sizes (`batching.bucket`): decode batches are [decode_rows, 1] over
         a page table as wide as one of `decode_pages`; prefill batches [rows, chunk] over
         the whole table."""
-        return dict(decode_pages=bucket_sizes(4, self.pages_per_row),
+        return dict(decode_rows=bucket_sizes(1, self.max_num_seqs),
+                    decode_pages=bucket_sizes(4, self.pages_per_row),
                     prefill_rows=bucket_sizes(1, self.max_prefill_seqs),
                     prefill_chunk=bucket_sizes(32, bucket(min(self.max_chunk, self.max_num_batched_tokens), 32)))
 
@@ -348,10 +352,10 @@ class Engine:
         that is on (nothing runs) -> how many shapes; afterwards no prompt, length or
         setting compiles anything."""
         sizes = self.sizes
-        shapes = [(self.max_num_seqs, 1, p) for p in sizes["decode_pages"]]
+        shapes = [(b, 1, p) for b in sizes["decode_rows"] for p in sizes["decode_pages"]]
         shapes += [(b, c, self.pages_per_row) for b in sizes["prefill_rows"] for c in sizes["prefill_chunk"]]
         for b, c, p in shapes:
-            self._executable(b, c, p, self._inputs([], b, c, p, decode=False)[0])
+            self._executable(b, c, p, self._inputs([], b, c, p)[0])
         return len(shapes)
 
     def _executable(self, b: int, c: int, p: int, args):
@@ -370,22 +374,22 @@ class Engine:
         fit = lambda n, options: next(x for x in options if x >= n)
         if decode:
             widest = max(-(-(r.n_computed + n) // self.page_size) for r, n in group)
-            b, c, p = self.max_num_seqs, 1, fit(widest, sizes["decode_pages"])
+            b, c, p = fit(len(group), sizes["decode_rows"]), 1, fit(widest, sizes["decode_pages"])
         else:
             b, c = fit(len(group), sizes["prefill_rows"]), fit(max(n for _, n in group), sizes["prefill_chunk"])
             p = self.pages_per_row
-        return self._launch(group, b, c, p, decode=decode)
+        return self._launch(group, b, c, p)
 
-    def _launch(self, group, b: int, c: int, p: int, *, decode: bool) -> dict:
-        args, where = self._inputs(group, b, c, p, decode=decode)
+    def _launch(self, group, b: int, c: int, p: int) -> dict:
+        args, where = self._inputs(group, b, c, p)
         sampled, chosen, (top_lp, top_ids), self.pools = self._executable(b, c, p, args)(*args)
         sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
         return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
                 for rid, row in where.items()}
 
-    def _inputs(self, group, b: int, c: int, p: int, *, decode: bool):
-        """`run_rows`'s arguments for these rows in a [b, c] batch over a table of width p
-        -> (the arguments, {request id: its row})."""
+    def _inputs(self, group, b: int, c: int, p: int):
+        """`run_rows`'s arguments for these rows, packed into the first rows of a [b, c]
+        batch over a table of width p -> (the arguments, {request id: its row})."""
         tokens, positions = np.zeros((b, c), np.int32), np.full((b, c), -1, np.int32)
         lengths, last, counters = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         table = np.full((b, p), self.scratch, np.int32)
@@ -393,8 +397,7 @@ class Engine:
         temp, top_k = np.zeros(b, np.float32), np.zeros(b, np.int32)
         top_p, min_p = np.ones(b, np.float32), np.zeros(b, np.float32)
         where = {}
-        for i, (r, n) in enumerate(group):
-            row = r.row if decode else i
+        for row, (r, n) in enumerate(group):
             where[r.id] = row
             tokens[row, :n] = r.all_ids[r.n_computed:r.n_computed + n]
             positions[row, :n] = np.arange(r.n_computed, r.n_computed + n)
