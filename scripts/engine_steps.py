@@ -1,0 +1,70 @@
+"""The engine's step time per compiled shape: decode batches of 1, 2, 4, ... rows and a few
+prefill batches, on random tokens over a filled table, median of `--reps` runs each.
+
+    python scripts/engine_steps.py --model smollm2 --max-num-seqs 16 --context 1024
+
+What the decode-row buckets buy: a row costs compute on a CPU, so a lone request's step at
+[1, 1] is several times faster than one padded to [max_num_seqs, 1]; 16 x t(1) / t(16) is
+the most that batching decode rows can raise the token rate on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+import jaxdec
+from jaxdec.engine.engine import Engine
+
+
+def step_ms(engine: Engine, b: int, c: int, p: int, reps: int, rng: np.random.Generator) -> float:
+    """Median ms of the step of shape [b, c] over a table of width p: each row's c new tokens
+    after 100 cached ones, in pages of its own."""
+    args = list(engine._inputs([], b, c, p)[0])
+    args[2] = (np.arange(b * p, dtype=np.int32).reshape(b, p)) % engine.pool.n_pages
+    args[3] = rng.integers(0, engine.cfg.vocab_size, (b, c)).astype(np.int32)
+    args[4] = np.tile(np.arange(100, 100 + c, dtype=np.int32), (b, 1))
+    args[5] = np.full(b, 100, np.int32)
+    args[6] = np.full(b, c - 1, np.int32)
+    run = engine._executable(b, c, p, tuple(args))
+    times = []
+    for _ in range(reps + 1):  # (the first run warms the caches)
+        args[1] = engine.pools
+        start = time.perf_counter()
+        out = run(*args)
+        jax.block_until_ready(out[0])
+        times.append(time.perf_counter() - start)
+        engine.pools = out[3]
+    return 1000 * float(np.median(times[1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--weights", default="gguf")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--context", type=int, default=1024, help="--max-model-len")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    engine = Engine(jaxdec.load(args.model, weights=args.weights), max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.context)
+    rng = np.random.default_rng()
+    p = engine.sizes["decode_pages"][1]
+    rows = engine.sizes["decode_rows"]
+    decode = {b: step_ms(engine, b, 1, p, args.reps, rng) for b in rows}
+    print(f"decode step, {p} pages a row ({args.model}, {jax.devices()[0].platform}):")
+    for b, ms in decode.items():
+        print(f"  [{b}, 1]: {ms:.1f} ms ({ms / b:.2f} ms a token)")
+    print(f"  batching ceiling: {rows[-1]} x t(1) / t({rows[-1]}) = {rows[-1] * decode[1] / decode[rows[-1]]:.2f}x")
+    width = engine.pages_per_row
+    for b in (1, engine.sizes["prefill_rows"][-1]):
+        c = engine.sizes["prefill_chunk"][-1]
+        ms = step_ms(engine, b, c, width, args.reps, rng)
+        print(f"prefill [{b}, {c}] over {width} pages: {ms:.0f} ms ({ms / (b * c):.2f} ms a token)")
+
+
+if __name__ == "__main__":
+    main()
