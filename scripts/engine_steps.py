@@ -52,7 +52,8 @@ def main() -> None:
     engine = Engine(jaxdec.load(args.model, weights=args.weights), max_num_seqs=args.max_num_seqs,
                     max_model_len=args.context)
     rng = np.random.default_rng()
-    p = engine.sizes["decode_pages"][1]
+    widths = engine.sizes["decode_pages"]
+    p = widths[min(1, len(widths) - 1)]  # (a short context has one width)
     rows = engine.sizes["decode_rows"]
     decode = {b: step_ms(engine, b, 1, p, args.reps, rng) for b in rows}
     print(f"decode step, {p} pages a row ({args.model}, {jax.devices()[0].platform}):")

@@ -195,3 +195,21 @@ def test_bench_engine_smoke(tmp_path):
     assert all(p["engine_tok_s"] > 0 and p["one_jit_tok_s"] > 0 for p in report["decode"]["pairs"])
     assert report["mixed"]["same_tokens"] == 6 and report["mixed"]["engine_s"] > 0
     assert report["prefix"]["same_tokens"] and report["prefix"]["cached_tokens"] >= 960
+
+
+def test_engine_steps_prints_every_decode_bucket_and_the_ceiling():
+    """scripts/engine_steps.py on SmolLM2 at 2 rows and a 128-token context: a line per
+    decode bucket ([1, 1], [2, 1]), the batching ceiling 2 x t(1) / t(2) as printed, and
+    the prefill lines."""
+    r = subprocess.run([sys.executable, "scripts/engine_steps.py", "--max-num-seqs", "2", "--context", "128",
+                        "--reps", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    times = {}
+    for line in r.stdout.splitlines():
+        if line.strip().startswith("[") and ", 1]:" in line:
+            rows = int(line.split("[")[1].split(",")[0])
+            times[rows] = float(line.split(":")[1].split("ms")[0])
+    assert sorted(times) == [1, 2] and all(t > 0 for t in times.values()), r.stdout
+    ceiling = float(r.stdout.split("batching ceiling:")[1].split("=")[1].strip().rstrip("x\n").split()[0].rstrip("x"))
+    assert ceiling == pytest.approx(2 * times[1] / times[2], rel=0.05), r.stdout
+    assert r.stdout.count("prefill [") == 2, r.stdout
