@@ -25,6 +25,54 @@ def assert_one_line_error(fn, *args, match: str, **kwargs):
     assert "\n" not in str(info.value) and str(info.value).strip()
 
 
+def exact_joint(params, cfg, prompt, n: int):
+    """f64[V^n]: a model's probability of every n-token continuation of `prompt`, from one
+    forward pass over all V^n continuations (V: a vocabulary of a few tokens)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from scipy import special
+
+    from jaxdec.models import transformer
+
+    v = cfg.vocab_size
+    seqs = np.array(np.meshgrid(*[np.arange(v)] * n, indexing="ij")).reshape(n, -1).T
+    full = np.concatenate([np.broadcast_to(prompt, (len(seqs), len(prompt))), seqs], axis=1)
+    pos = np.broadcast_to(np.arange(full.shape[1]), full.shape)
+    logits, _ = transformer.forward(params, jnp.asarray(full), jnp.asarray(pos), None, cfg)
+    logp = special.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    steps = [np.take_along_axis(logp[:, len(prompt) - 1 + i], seqs[:, i:i + 1], 1)[:, 0]
+             for i in range(n)]
+    return np.exp(np.sum(steps, axis=0))
+
+
+def chi2_pvalue(samples, probs, v: int) -> float:
+    """Pearson's chi-square of sample rows (the tokens of n steps) against the exact joint
+    over V^n, pooling the cells expected to hold fewer than 5 samples."""
+    import numpy as np
+    from scipy import stats
+
+    counts = np.bincount(np.ravel_multi_index(np.asarray(samples).T, (v,) * samples.shape[1]),
+                         minlength=probs.size)
+    expected = probs * len(samples)
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    return float(stats.chisquare(obs, exp / exp.sum() * obs.sum()).pvalue)
+
+
+def assert_fits(pvalue, alpha: float = 1e-3):
+    """pvalue(seed) > alpha for a fresh seed, or, when that draw falls below alpha (one run
+    in 1/alpha of a correct sampler), for a second fresh seed: a correct sampler fails one
+    run in 1/alpha^2, a biased one (p < 1e-6 at every seed) fails both draws."""
+    import numpy as np
+
+    seeds = np.random.default_rng().integers(1 << 30, size=2)
+    first = pvalue(int(seeds[0]))
+    if first <= alpha:
+        second = pvalue(int(seeds[1]))
+        assert second > alpha, f"p = {first:.2g} at seed {seeds[0]}, {second:.2g} at {seeds[1]}"
+
+
 @functools.lru_cache(maxsize=None)
 def jax_model(name: str, dtype: str = "float32"):
     import jaxdec

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
-from conftest import assert_one_line_error
+from conftest import assert_fits, assert_one_line_error, chi2_pvalue, exact_joint
 from jaxdec import decode
 from jaxdec.cache import dense
 from jaxdec.config import ModelConfig
@@ -195,32 +194,6 @@ def small_vocab_model(seed: int, scale: float):
     return cfg, dataclasses.replace(params, lm_head=params.lm_head * scale)
 
 
-def exact_joint(cfg, params, prompt, n):
-    """f64[V^n]: the target's probability of every n-token continuation of `prompt`."""
-    seqs = np.array(np.meshgrid(*[np.arange(V_SMALL)] * n, indexing="ij")).reshape(n, -1).T
-    full = np.concatenate([np.broadcast_to(prompt, (len(seqs), len(prompt))), seqs], axis=1)
-    pos = np.broadcast_to(np.arange(full.shape[1]), full.shape)
-    logits, _ = transformer.forward(params, jnp.asarray(full), jnp.asarray(pos), None, cfg)
-    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
-    steps = [np.take_along_axis(np.asarray(logp[:, len(prompt) - 1 + i]), seqs[:, i:i + 1], 1)[:, 0]
-             for i in range(n)]
-    return np.exp(np.sum(steps, axis=0))
-
-
-def chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson's chi-square of sample rows (tokens of n steps) against the exact joint,
-    pooling the cells expected to hold fewer than 5 samples."""
-    index = np.ravel_multi_index(samples.T, (V_SMALL,) * samples.shape[1])
-    counts = np.bincount(index, minlength=probs.size)
-    expected = probs * len(samples)
-    small = expected < 5
-    obs, exp = counts[~small], expected[~small]
-    if small.any():
-        obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
-    exp = exp / exp.sum() * obs.sum()
-    return float(stats.chi2.sf(np.sum((obs - exp) ** 2 / exp), len(obs) - 1))
-
-
 def biased_accept(logits, draft, q, key, sampler):
     """A classic bug: on rejection resample from p itself, not from norm(max(0, p - q))."""
     p = core.target_probs(logits, sampler)
@@ -244,15 +217,15 @@ def test_sampling_keeps_the_target_distribution(monkeypatch):
     prompt = np.random.default_rng().integers(0, V_SMALL, 5).astype(np.int32)
     prompts = np.broadcast_to(prompt, (rows, 5)).copy()
     lens, limits = np.full(rows, 5, np.int32), np.full(rows, n, np.int32)
-    probs = exact_joint(cfg, params, prompt, n)
+    probs = exact_joint(params, cfg, prompt, n)
 
     def pvalue(seed):
         got = np.asarray(speculate(cfg, params, drafter, prompts, lens, limits, n, sampler,
                                    seed=seed, cap=16).tokens)[:, :n]
         assert (got >= 0).all()
-        return chi2_pvalue(got, probs)
+        return chi2_pvalue(got, probs, V_SMALL)
 
-    assert pvalue(seed=np.random.default_rng().integers(1 << 30)) > 1e-3
+    assert_fits(pvalue)
     monkeypatch.setattr(core, "accept_sample", biased_accept)
     jax.clear_caches()
     assert pvalue(seed=7) < 1e-6
