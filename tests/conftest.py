@@ -55,8 +55,9 @@ def chi2_pvalue(samples, probs, v: int) -> float:
                          minlength=probs.size)
     expected = probs * len(samples)
     small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
+    obs, exp = counts[~small], expected[~small]
+    if small.any():  # (a pooled cell only where there is one: an empty one is 0 / 0)
+        obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
     return float(stats.chisquare(obs, exp / exp.sum() * obs.sum()).pvalue)
 
 

@@ -101,6 +101,26 @@ def test_poisson_schedule_has_its_mean_rate(rate):
                                arrivals[:100], rtol=1e-12)
 
 
+def test_every_load_has_prompts_of_its_own():
+    """No prompt is sent twice in a run (a repeat would be a prefix-cache hit); the Poisson
+    arrivals are one draw scaled as 1/rate; the burst sends at once."""
+    from jaxdec.checkpoint.gguf_reader import read_gguf_header
+    from jaxdec.checkpoint.tokenizer import Tokenizer
+
+    s = serve_bench.Settings(requests=6, rates=(1.0, 3.0), clients=(1, 4))
+    tok = Tokenizer.from_gguf(read_gguf_header(serve_bench.gguf_path("smollm2")).metadata)
+    opened, closed, warm = serve_bench.make_loads(tok, s)
+    assert [name for name, _, _ in opened] == ["1/s", "3/s", "burst"]
+    assert [len(jobs) for _, _, jobs in opened] == [6, 6, 6] and [len(j) for _, j in closed] == [2, 8]
+    prompts = [p for _, _, jobs in opened for p, _, _ in jobs] + [p for _, jobs in closed for p, _, _ in jobs]
+    prompts += [p for p, _, _ in warm]
+    assert len(set(prompts)) == len(prompts) == 6 * 3 + 2 + 8 + 2
+    one, three = (np.array([a for *_, a in jobs]) for _, _, jobs in opened[:2])
+    assert np.all(np.diff(one) > 0)
+    np.testing.assert_allclose(one / 3, three, rtol=1e-12)
+    assert all(a == 0.0 for *_, a in opened[2][2])
+
+
 def test_queue_series_from_known_times():
     t, q = serve_stats.queue_series(sent=[0.0, 1.0, 2.0], left=[3.0, 1.5, 2.5])
     assert t.tolist() == [0.0, 1.0, 1.5, 2.0, 2.5, 3.0]

@@ -155,18 +155,25 @@ def serving(argv: list[str], log: pathlib.Path, timeout_s: float):
         _stop(proc)
 
 
-def make_loads(tokenizer, s: Settings) -> tuple[list, list]:
-    """The open loads [(name, rate or None, jobs)] and closed loops [(clients, jobs)]; a job
-    is (prompt text, output tokens, arrival s). The same prompts at every rate."""
+def make_loads(tokenizer, s: Settings) -> tuple[list, list, list]:
+    """The open loads [(name, rate or None, jobs)], the closed loops [(clients, jobs)] and
+    two warm-up jobs; a job is (prompt text, output tokens, arrival s). Every load has
+    prompts of its own, from the corpora (the same ones every run): a prompt sent again
+    in a later load would come from the servers' prefix caches (jaxdec's pool keeps every
+    earlier prompt, llama.cpp's slots their last), and the later loads would measure cache
+    hits. The arrivals are the same draws at every rate, scaled as 1/rate."""
     from jaxdec.bench.workload import workload
 
-    n = max(s.requests, *(2 * c for c in s.clients))
-    drawn = workload(tokenizer, n, 1.0, s.seed)   # arrivals at 1/s, scaled per rate below
-    texts = [(tokenizer.decode(ids), m, a) for ids, m, a in drawn]
-    opened = [(f"{r:g}/s", r, [(p, m, a / r) for p, m, a in texts[:s.requests]]) for r in s.rates]
-    opened.append(("burst", None, [(p, m, 0.0) for p, m, _ in texts[:s.requests]]))
-    closed = [(c, texts[:max(2 * c, s.requests // 4)]) for c in s.clients]
-    return opened, closed
+    sizes = [s.requests] * (len(s.rates) + 1) + [max(2 * c, s.requests // 4) for c in s.clients] + [2]
+    drawn = workload(tokenizer, sum(sizes), 1.0, s.seed)   # arrivals at 1/s, scaled per rate below
+    arrivals = [a for _, _, a in drawn[:s.requests]]
+    texts = iter([(tokenizer.decode(ids), m) for ids, m, _ in drawn])
+    blocks = [[next(texts) for _ in range(n)] for n in sizes]
+    opened = [(f"{r:g}/s", r, [(p, m, a / r) for (p, m), a in zip(block, arrivals)])
+              for r, block in zip(s.rates, blocks)]
+    opened.append(("burst", None, [(p, m, 0.0) for p, m in blocks[len(s.rates)]]))
+    closed = [(c, [(p, m, 0.0) for p, m in block]) for c, block in zip(s.clients, blocks[len(s.rates) + 1:])]
+    return opened, closed, [(p, 8, 0.0) for p, _ in blocks[-1]]
 
 
 def _records(records: list[serve_stats.Record]) -> list[dict]:
@@ -175,10 +182,10 @@ def _records(records: list[serve_stats.Record]) -> list[dict]:
              "asked": r.asked, "prompt_tokens": r.prompt_tokens, "error": r.error} for r in records]
 
 
-def drive(url: str, s: Settings, loads: list, closed: list, log) -> dict:
-    """Every load against one ready server."""
+def drive(url: str, s: Settings, loads: list, closed: list, warm: list, log) -> dict:
+    """Every load against one ready server, after the warm-up jobs."""
     slo, model = Slo(ttft_s=s.ttft_slo, tpot_s=s.tpot_slo), s.model
-    asyncio.run(serve_client.open_loop(url, model, [(p, 8, 0.0) for p, _, _ in loads[0][2][:2]]))  # warm
+    asyncio.run(serve_client.open_loop(url, model, warm))
     out = {"loads": [], "closed": []}
     for name, rate, jobs in loads:
         records = asyncio.run(serve_client.open_loop(url, model, jobs))
@@ -192,7 +199,7 @@ def drive(url: str, s: Settings, loads: list, closed: list, log) -> dict:
     return out
 
 
-def bench_system(system: System, s: Settings, gguf: str, loads: list, closed: list, log) -> dict:
+def bench_system(system: System, s: Settings, gguf: str, loads: list, closed: list, warm: list, log) -> dict:
     argv = system.argv(s, gguf, free_port(HOST))
     result = {"argv": argv, "policy": system.policy, "max_num_seqs": system.max_num_seqs}
     start = time.perf_counter()
@@ -201,7 +208,7 @@ def bench_system(system: System, s: Settings, gguf: str, loads: list, closed: li
             with serving(argv, pathlib.Path(tmp, "server.log"), s.start_timeout_s) as url:
                 result["ready_s"] = round(time.perf_counter() - start, 1)
                 log(f"  ready in {result['ready_s']} s: {' '.join(argv)}")
-                result |= drive(url, s, loads, closed, log)
+                result |= drive(url, s, loads, closed, warm, log)
         except ServerFailed as e:
             result["error"] = f"server {e}"
             log(f"  error: {result['error']}")
@@ -246,11 +253,11 @@ def run(s: Settings, log=print) -> dict:
     from jaxdec.checkpoint.tokenizer import Tokenizer
 
     gguf = gguf_path(s.model)
-    loads, closed = make_loads(Tokenizer.from_gguf(read_gguf_header(gguf).metadata), s)
+    loads, closed, warm = make_loads(Tokenizer.from_gguf(read_gguf_header(gguf).metadata), s)
     results = {}
     for system in systems(s):
         log(f"{system.name} (max_num_seqs {system.max_num_seqs}) ...")
-        results[system.name] = bench_system(system, s, gguf, loads, closed, log)
+        results[system.name] = bench_system(system, s, gguf, loads, closed, warm, log)
     caps = capacities(results)
     return {"settings": dataclasses.asdict(s), "gguf": gguf, "systems": results, "capacity_req_s": caps,
             "sla_vs_static": sla_vs_static(results, caps), "ratios": ratios(results)}
