@@ -139,6 +139,36 @@ def test_queue_series_counts_waiting_requests():
         assert q[at] == np.sum(sent <= probe) - np.sum(left <= probe)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_queue_growth_is_each_halfs_overlap_with_the_waits(seed):
+    """queue_growth's time-averaged queue against each request's wait [sent, first token)
+    overlapped with the half: the two are the same integral."""
+    rng = np.random.default_rng(seed)
+    records = random_records(rng, 80, failed=seed)
+    got = serve_stats.queue_growth(records)
+    sent = np.array([r.sent for r in records])
+    left = np.array([r.chunks[0] if r.chunks else r.end for r in records])
+    a, b = sent.min(), sent.max()
+    for key, (lo, hi) in (("first_half", (a, (a + b) / 2)), ("second_half", ((a + b) / 2, b))):
+        overlap = np.clip(np.minimum(left, hi) - np.maximum(sent, lo), 0, None)
+        np.testing.assert_allclose(got[key], overlap.sum() / (hi - lo), rtol=1e-9)
+    probes = np.concatenate([sent, left])  # the queue is at its peak just after some send
+    assert got["peak"] == max(np.sum((sent <= p) & (left > p)) for p in probes)
+    assert serve_stats.summarize(records, SLO)["queue"] == got
+
+
+def test_queue_growth_tells_a_growing_queue_from_a_level_one():
+    sent = np.arange(40) * 0.25
+    level = [Record(sent=s, chunks=(s + 0.3,), end=s + 1, output_tokens=1) for s in sent]
+    growing = [Record(sent=s, chunks=(1.0 + 0.5 * i,), end=2.0 + 0.5 * i, output_tokens=1)
+               for i, s in enumerate(sent)]  # served at 2/s, sent at 4/s
+    flat, up = serve_stats.queue_growth(level), serve_stats.queue_growth(growing)
+    assert flat["first_half"] == pytest.approx(flat["second_half"], abs=0.1) and flat["peak"] == 2
+    assert up["second_half"] > 2 * up["first_half"] and up["peak"] == 40 - 18  # (18 served by the last send)
+    burst = serve_stats.queue_growth([Record(sent=0.0, chunks=(t,), end=t, output_tokens=1) for t in (1, 2)])
+    assert burst == {"first_half": None, "second_half": None, "peak": 2}
+
+
 def test_client_reads_a_stream():
     """`send` against a scripted event stream (jaxdec's shape): chunk times for text events
     only, usage from the last chunk, errors in the record, never raised."""
@@ -199,7 +229,7 @@ def test_report_prints_and_plots(tmp_path, capsys):
         fcfs["output_tok_s"] / static["output_tok_s"])
     serve_report.print_report(json.loads(json.dumps(report)))  # (as read back from --json)
     out = capsys.readouterr().out
-    for text in ("TTFT p50 ms", "goodput", "Closed loop", "Ratios vs static", "Ratios vs llama.cpp",
+    for text in ("TTFT p50 ms", "goodput", "Queue while the requests were sent", "2nd half", "Closed loop", "Ratios vs static", "Ratios vs llama.cpp",
                  "Capacity", "sla over the best fixed batch limit", "-np 16 -c 16384 -cb -t"):
         assert text in out, text
     serve_report.plot(report, str(tmp_path / "q.png"))

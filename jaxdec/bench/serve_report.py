@@ -75,6 +75,15 @@ def _latency_table(report: dict) -> None:
             f"TPOT <= {s['tpot_slo']} s)", headers, _latency_rows(report))
 
 
+def _queue_table(report: dict) -> None:
+    rows = [[name, ld["name"], _num(ld["queue"]["first_half"]), _num(ld["queue"]["second_half"]),
+             str(ld["queue"]["peak"])]
+            for name, r in report["systems"].items() for ld in r.get("loads", ()) if ld["rate"] is not None]
+    _render("Queue while the requests were sent (waiting for a first token, time-averaged; a server "
+            "that falls behind has a second half above the first)",
+            ["system", "load", "1st half", "2nd half", "peak"], rows)
+
+
 def _closed_table(report: dict) -> None:
     clients = report["settings"]["clients"]
     rows = []
@@ -142,6 +151,7 @@ def _server_lines(report: dict) -> list[str]:
 
 def print_report(report: dict) -> None:
     _latency_table(report)
+    _queue_table(report)
     _closed_table(report)
     _ratio_table(report)
     print("\n" + "\n".join(_capacity_lines(report) + _server_lines(report)))

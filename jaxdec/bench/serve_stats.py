@@ -4,6 +4,7 @@ functions of `Record`s, so every server is measured the same way.
     s = summarize(records, Slo(ttft_s=1.0, tpot_s=0.1))   # TTFT, TPOT, ITL, e2e, rates
     capacity({1.0: 1.0, 2.0: 0.95, 4.0: 0.5})              # -> 2.0
     t, q = queue_series(sent, left)                        # queue length over time
+    queue_growth(records)                                  # -> its mean in each half of the sends
 
 Definitions (those of vLLM's serving benchmark): TTFT is the first token's arrival less the
 send time; TPOT is (last token - first token) / (output tokens - 1); ITL is every gap
@@ -94,6 +95,7 @@ def summarize(records: list[Record], slo: Slo) -> dict:
         "outputs_as_asked": sum(r.ok and r.output_tokens == r.asked for r in records) / len(records),
         "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in ok])) if ok else None,
         "errors": sorted({r.error or "no text came" for r in records if not r.ok})[:3],
+        "queue": queue_growth(records),
     }
 
 
@@ -123,3 +125,25 @@ def queue_series(sent, left) -> tuple[np.ndarray, np.ndarray]:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
+
+
+def queue_mean(times, q, start: float, stop: float) -> float:
+    """The time-average over [start, stop) of the step function `queue_series` returns (q[i]
+    from times[i] on, 0 before the first event)."""
+    edges = np.clip(np.concatenate([times, [np.inf]]), start, stop)
+    return float(np.sum(q * np.diff(edges)) / (stop - start))
+
+
+def queue_growth(records: list[Record]) -> dict:
+    """The queue (requests waiting for their first token) while requests were being sent:
+    its time-averaged length over the first and the second half of [first send, last send],
+    and its peak. A server that keeps up holds the two halves level; one that falls behind
+    (static batching beyond its capacity, 2504.07347) has a second half above the first."""
+    sent = np.array([r.sent for r in records], np.float64)
+    t, q = queue_series(sent, [r.left_queue for r in records])
+    a, b = float(sent.min()), float(sent.max())
+    if b <= a:  # a burst: every request sent at once
+        return {"first_half": None, "second_half": None, "peak": int(q.max())}
+    mid = (a + b) / 2
+    return {"first_half": queue_mean(t, q, a, mid), "second_half": queue_mean(t, q, mid, b),
+            "peak": int(q.max())}
