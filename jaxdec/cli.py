@@ -193,9 +193,9 @@ def _bench_serve_parser(sub) -> None:
                    help="comma-separated: jaxdec serve policies (fcfs, static, prefill-first, sla) "
                         "and llama.cpp (its llama-server)")
     s.add_argument("--rates", default=None, help="Poisson request rates per second, comma-separated "
-                   "(default 1,2,3,4,6,8; --quick: 1,4)")
+                   "(default 0.25,0.5,0.75,1,1.5,2; --quick: 1,4)")
     s.add_argument("--requests", type=int, default=None, help="requests per rate and in the burst "
-                   "(default 48; --quick: 8)")
+                   "(default 32; --quick: 8)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (llama.cpp: slots)")
     s.add_argument("--static-seqs", default=None, help="also run fcfs at each of these --max-num-seqs, "
                    "comma-separated (default 4,8,16; --quick: none): the fixed batch limits sla is set against")
