@@ -17,8 +17,8 @@ demo: $(VENV)/.demo
 test: $(VENV)/.test $(VENV)/.bench models corpora
 	$(BIN)/python -m pytest --durations=15
 
-# Everything, the tests in tests/slow.txt and the other -m slow checks included (about an
-# hour on 2 cores). It must pass before an issue is resolved. The slow tier also runs
+# Everything, the tests in tests/slow.txt and the other -m slow checks included (about 90
+# minutes on 2 cores). It must pass before an issue is resolved. The slow tier also runs
 # `jaxdec bench serve --quick` against llama.cpp's server, hence llama-server.
 test-all: $(VENV)/.test $(VENV)/.bench llama-server models corpora
 	$(BIN)/python -m pytest -m "slow or not slow" --durations=30
