@@ -5,6 +5,8 @@ that can never run are refused at once in one line."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -177,6 +179,23 @@ def test_a_warm_engine_compiles_nothing_new(tiny):
         assert compiled  # (the listener does hear a compile)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("page_size,max_model_len,budget", [(8, 160, 64), (32, 1024, 256), (16, 300, 100)])
+def test_every_reachable_step_shape_is_warmed(tiny, page_size, max_model_len, budget):
+    """Each (tokens already in the row, tokens this step) a row can have, in a batch of one
+    row or of the most rows, runs a shape that `warmup` compiles."""
+    engine = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=budget, page_size=page_size,
+                    max_model_len=max_model_len)
+    shapes = set(engine.shapes())
+    assert len(shapes) == len(engine.shapes())
+    row = lambda done: types.SimpleNamespace(n_computed=done)
+    for n in range(1, budget + 1):
+        for done in range(0, engine.max_model_len - n + 1):
+            for k in (1, engine.max_num_seqs if n == 1 else engine.max_prefill_seqs):
+                assert engine.shape([(row(done), n)] * k, decode=n == 1) in shapes, (done, n, k)
+    widths = {p for b, c, p in shapes if c > 1}
+    assert min(widths) < engine.pages_per_row  # (prefill reads a narrower table when it can)
 
 
 def run_random_requests(engine):

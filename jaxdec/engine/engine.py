@@ -24,9 +24,11 @@ Each `step` schedules on the host, then runs the model once or twice (`step.run_
    a step that preempted.
 2. **Run**: rows with one token run as the decode batch ([R, 1]), rows with a prompt chunk
    as a prefill batch ([Bp, C]), each packed into its first rows whatever pool rows the
-   requests hold. The sizes are bucketed (`buckets`: R, Bp and C to powers of two, the
-   decode page-table width to powers of two), so a lone request decodes at [1, 1], not
-   padded to max_num_seqs rows, and after `warmup` the engine compiles nothing new,
+   requests hold. The sizes are bucketed (`buckets`: R, Bp and C to powers of two, and
+   the page-table width, which attention reads whole, to powers of two: each batch's
+   table is as wide as its longest row needs, decode and prefill alike), so a lone request
+   decodes at [1, 1], not padded to max_num_seqs rows, a short prompt's chunk attends over
+   its own few pages, not max_model_len's, and after `warmup` the engine compiles nothing new,
    whatever the prompts, lengths and settings. (A row's floats depend on its batch's
    shape, so at near-ties a request's tokens can depend on what runs beside it, as in
    vLLM without its batch-invariant kernels.)
@@ -339,21 +341,33 @@ class Engine:
         self.waiting.insert(0, r)
 
     def buckets(self) -> dict[str, list[int]]:
-        """The compiled sizes (`batching.bucket`): decode batches are [decode_rows, 1] over
-        a page table as wide as one of `decode_pages`; prefill batches [rows, chunk] over
-        the whole table."""
+        """The compiled sizes (`batching.bucket`): decode batches are [decode_rows, 1] and
+        prefill batches [prefill_rows, prefill_chunk], each over a page table as wide as the
+        rows need (one of `pages`: attention reads every slot of the table's width)."""
         return dict(decode_rows=bucket_sizes(1, self.max_num_seqs),
-                    decode_pages=bucket_sizes(4, self.pages_per_row),
                     prefill_rows=bucket_sizes(1, self.max_prefill_seqs),
-                    prefill_chunk=bucket_sizes(32, bucket(min(self.max_chunk, self.max_num_batched_tokens), 32)))
+                    prefill_chunk=bucket_sizes(32, bucket(min(self.max_chunk, self.max_num_batched_tokens), 32)),
+                    pages=bucket_sizes(4, self.pages_per_row))
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every step shape (rows, chunk, table width) the engine can run: decode rows at
+        every width, and prefill chunks at the widths that can hold them (a chunk of c
+        tokens holds more than the next smaller chunk's, so its rows reach past that)."""
+        sizes = self.sizes
+        shapes = [(b, 1, p) for b in sizes["decode_rows"] for p in sizes["pages"]]
+        smaller = 1
+        for c in sizes["prefill_chunk"]:
+            least = -(-(smaller + 1) // self.page_size)
+            shapes += [(b, c, p) for b in sizes["prefill_rows"] for p in sizes["pages"]
+                       if p >= least or p == sizes["pages"][-1]]
+            smaller = c
+        return shapes
 
     def warmup(self) -> int:
-        """Compile every bucket's step now, or load it from jaxdec's executable cache when
+        """Compile every step shape now, or load it from jaxdec's executable cache when
         that is on (nothing runs) -> how many shapes; afterwards no prompt, length or
         setting compiles anything."""
-        sizes = self.sizes
-        shapes = [(b, 1, p) for b in sizes["decode_rows"] for p in sizes["decode_pages"]]
-        shapes += [(b, c, self.pages_per_row) for b in sizes["prefill_rows"] for c in sizes["prefill_chunk"]]
+        shapes = self.shapes()
         for b, c, p in shapes:
             self._executable(b, c, p, self._inputs([], b, c, p)[0])
         return len(shapes)
@@ -370,15 +384,18 @@ class Engine:
 
     def _run(self, group, *, decode: bool) -> dict:
         """Run one batch of rows -> {request id: (token, logprob, top ids, top logprobs)}."""
+        return self._launch(group, *self.shape(group, decode=decode))
+
+    def shape(self, group, *, decode: bool) -> tuple[int, int, int]:
+        """The step shape (rows, chunk, table width) that runs these (request, tokens) rows."""
         sizes = self.sizes
         fit = lambda n, options: next(x for x in options if x >= n)
+        widest = max(-(-(r.n_computed + n) // self.page_size) for r, n in group)
         if decode:
-            widest = max(-(-(r.n_computed + n) // self.page_size) for r, n in group)
-            b, c, p = fit(len(group), sizes["decode_rows"]), 1, fit(widest, sizes["decode_pages"])
+            b, c = fit(len(group), sizes["decode_rows"]), 1
         else:
             b, c = fit(len(group), sizes["prefill_rows"]), fit(max(n for _, n in group), sizes["prefill_chunk"])
-            p = self.pages_per_row
-        return self._launch(group, b, c, p)
+        return b, c, fit(widest, sizes["pages"])
 
     def _launch(self, group, b: int, c: int, p: int) -> dict:
         args, where = self._inputs(group, b, c, p)
