@@ -23,7 +23,7 @@ Each `step` schedules on the host, then runs the model once or twice (`step.run_
    recomputed from its prompt and the tokens it had generated. No request is admitted in
    a step that preempted.
 2. **Run**: rows with one token run as the decode batch ([R, 1]), rows with a prompt chunk
-   as a prefill batch ([Bp, C]), each packed into its first rows whatever pool rows the
+   as prefill batches ([Bp, C]), one for each chunk bucket C, each packed into its first rows whatever pool rows the
    requests hold. The sizes are bucketed (`buckets`: R, Bp and C to powers of two, and
    the page-table width, which attention reads whole, to powers of two: each batch's
    table is as wide as its longest row needs, decode and prefill alike), so a lone request
@@ -230,15 +230,27 @@ class Engine:
         if plan:
             self.counters["steps"] += 1
             results = {}
-            for group in ([(r, n) for r, n in plan if n > 1], [(r, n) for r, n in plan if n == 1]):
-                if group:
-                    results.update(self._run(group, decode=group[0][1] == 1))
+            for group in self._groups(plan):
+                results.update(self._run(group, decode=group[0][1] == 1))
             outputs += self._commit(plan, results)
         self.policy.observe(self, time.perf_counter() - start, outputs)
         for out in outputs:
             if out.request_id in self._watched:
                 self._watched[out.request_id].append(out)
         return outputs
+
+    def _groups(self, plan) -> list[list[tuple[Request, int]]]:
+        """The plan's rows as the batches that run them: the prompt chunks by chunk bucket
+        (a batch pads every row to its longest chunk: a 200-token chunk beside three short
+        ones would run [4, 256], four times its tokens, where [1, 256] and [3, 32] run
+        little more than theirs), then the decode rows."""
+        chunk = lambda n: next(c for c in self.sizes["prefill_chunk"] if c >= n)
+        by_chunk: dict[int, list] = {}
+        for r, n in plan:
+            if n > 1:
+                by_chunk.setdefault(chunk(n), []).append((r, n))
+        decode = [(r, n) for r, n in plan if n == 1]
+        return [g for _, g in sorted(by_chunk.items())] + ([decode] if decode else [])
 
     def _schedule(self) -> list[tuple[Request, int]]:
         if self.policy.mixed:
