@@ -200,6 +200,8 @@ def _bench_serve_parser(sub) -> None:
     s.add_argument("--static-seqs", default=None, help="also run fcfs at each of these --max-num-seqs, "
                    "comma-separated (default 4,8,16; --quick: none): the fixed batch limits sla is set against")
     s.add_argument("--clients", default="1,16", help="closed-loop client counts, comma-separated")
+    s.add_argument("--rounds", type=int, default=None, help="requests a closed-loop client sends "
+                   "(default 6; --quick: 2)")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds to the first token (default 2)")
     s.add_argument("--tpot-slo", type=float, default=0.1,
                    help="seconds per output token (default 0.1); the sla policy's target too")

@@ -426,7 +426,8 @@ def _bench_serve(args) -> int:
     seqs = _numbers("--static-seqs", args.static_seqs) if args.static_seqs else base.static_seqs
     requests = base.requests if args.requests is None else args.requests
     threads = base.threads if args.llama_threads is None else args.llama_threads
-    for flag, value in (("--requests", requests), ("--max-num-seqs", args.max_num_seqs),
+    rounds = base.rounds if args.rounds is None else args.rounds
+    for flag, value in (("--requests", requests), ("--rounds", rounds), ("--max-num-seqs", args.max_num_seqs),
                         ("--context", args.context), ("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo),
                         ("--llama-threads", threads)):
         if not value > 0:
@@ -437,7 +438,7 @@ def _bench_serve(args) -> int:
         max_num_seqs=args.max_num_seqs, static_seqs=tuple(sorted(set(seqs))),
         clients=tuple(sorted(set(_numbers("--clients", args.clients)))), ttft_slo=args.ttft_slo,
         tpot_slo=args.tpot_slo, context=args.context, seed=args.seed, llama_server=binary,
-        threads=threads)
+        threads=threads, rounds=rounds)
     serve_bench.gguf_path(settings.model)  # (a model neither server can load: refused now)
     return serve_bench.main(settings, args.json, args.plot)
 

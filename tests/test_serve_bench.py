@@ -107,14 +107,14 @@ def test_every_load_has_prompts_of_its_own():
     from jaxdec.checkpoint.gguf_reader import read_gguf_header
     from jaxdec.checkpoint.tokenizer import Tokenizer
 
-    s = serve_bench.Settings(requests=6, rates=(1.0, 3.0), clients=(1, 4))
+    s = serve_bench.Settings(requests=6, rates=(1.0, 3.0), clients=(1, 4), rounds=3)
     tok = Tokenizer.from_gguf(read_gguf_header(serve_bench.gguf_path("smollm2")).metadata)
     opened, closed, warm = serve_bench.make_loads(tok, s)
     assert [name for name, _, _ in opened] == ["1/s", "3/s", "burst"]
-    assert [len(jobs) for _, _, jobs in opened] == [6, 6, 6] and [len(j) for _, j in closed] == [2, 8]
+    assert [len(jobs) for _, _, jobs in opened] == [6, 6, 6] and [len(j) for _, j in closed] == [3, 12]
     prompts = [p for _, _, jobs in opened for p, _, _ in jobs] + [p for _, jobs in closed for p, _, _ in jobs]
     prompts += [p for p, _, _ in warm]
-    assert len(set(prompts)) == len(prompts) == 6 * 3 + 2 + 8 + 2
+    assert len(set(prompts)) == len(prompts) == 6 * 3 + 3 + 12 + 2
     one, three = (np.array([a for *_, a in jobs]) for _, _, jobs in opened[:2])
     assert np.all(np.diff(one) > 0)
     np.testing.assert_allclose(one / 3, three, rtol=1e-12)
@@ -256,6 +256,16 @@ def test_cli_bench_keeps_its_flags_and_takes_serve():
     assert plain.bench_command is None and plain.weights == "f32" and plain.json == "x.json"
     serve = build_parser().parse_args(["bench", "serve", "--quick", "--systems", "fcfs", "--json", "y"])
     assert (serve.bench_command, serve.systems, serve.json, serve.quick) == ("serve", "fcfs", "y", True)
+
+
+@pytest.mark.parametrize("flags, word", [(["--rounds", "0"], "--rounds"), (["--requests", "-2"], "--requests"),
+                                         (["--rates", "1,x"], "--rates"), (["--systems", "vllm"], "--systems")])
+def test_bench_serve_rejects_bad_flags(flags, word, capsys):
+    from jaxdec.cli import main
+
+    assert main(["bench", "serve", "--systems", "fcfs", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and word in err, err
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ or llama.cpp's `llama-server` on the same GGUF with as many slots, continuous ba
 the same context per slot. Once it answers GET /health, one client (`serve_client`) sends
 it the same requests as every other system (`workload`: corpus prompts as text, output
 lengths from the corpora): Poisson arrivals at each rate of a ladder, a burst (all at t=0),
-then closed loops (1 user, then 16, each sending its next request when its last finished).
+then closed loops (1 user, then 16, each sending its next request when its last finished;
+`rounds` requests a client, so the ramp-up and the drain, when fewer clients are busy, are
+a small part of the loop).
 The server is stopped when its runs end, however they end (an error, Ctrl-C, SIGTERM).
 """
 
@@ -47,6 +49,7 @@ class Settings:
     max_num_seqs: int = 16                # jaxdec's --max-num-seqs, llama.cpp's slots
     static_seqs: tuple[int, ...] = (4, 8, 16)   # fcfs also runs at each of these limits
     clients: tuple[int, ...] = (1, 16)    # closed loops
+    rounds: int = 6                       # a closed loop of c clients sends rounds * c requests
     ttft_slo: float = 2.0                 # s
     tpot_slo: float = 0.1                 # s per output token (also the sla policy's target)
     context: int = 1024                   # tokens per request / slot
@@ -56,7 +59,7 @@ class Settings:
     start_timeout_s: float = 900.0        # a first jaxdec start compiles (~1-2 min)
 
 
-QUICK = Settings(requests=8, rates=(1.0, 4.0), static_seqs=())  # `--quick`: a smoke run
+QUICK = Settings(requests=8, rates=(1.0, 4.0), static_seqs=(), rounds=2)  # `--quick`: a smoke run
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,7 +168,7 @@ def make_loads(tokenizer, s: Settings) -> tuple[list, list, list]:
     hits. The arrivals are the same draws at every rate, scaled as 1/rate."""
     from jaxdec.bench.workload import workload
 
-    sizes = [s.requests] * (len(s.rates) + 1) + [max(2 * c, s.requests // 4) for c in s.clients] + [2]
+    sizes = [s.requests] * (len(s.rates) + 1) + [max(s.rounds * c, s.requests // 4) for c in s.clients] + [2]
     drawn = workload(tokenizer, sum(sizes), 1.0, s.seed)   # arrivals at 1/s, scaled per rate below
     arrivals = [a for _, _, a in drawn[:s.requests]]
     texts = iter([(tokenizer.decode(ids), m) for ids, m, _ in drawn])
