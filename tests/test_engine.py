@@ -198,6 +198,22 @@ def test_every_reachable_step_shape_is_warmed(tiny, page_size, max_model_len, bu
     assert min(widths) < engine.pages_per_row  # (prefill reads a narrower table when it can)
 
 
+def test_prompt_chunks_run_one_batch_per_chunk_bucket(tiny):
+    """A step's prompt chunks run in one batch per chunk bucket (a batch pads each row to
+    its longest chunk), in ascending buckets, then the decode rows as one batch."""
+    engine = Engine(tiny, max_num_seqs=8, max_num_batched_tokens=256, page_size=8, max_model_len=512)
+    rng = np.random.default_rng()
+    lengths = [int(rng.integers(2, 33)), int(rng.integers(129, 257)), *map(int, rng.integers(2, 257, 2)), 1, 1, 1]  # (at most 4 chunks, two buckets at least)
+    plan = [(types.SimpleNamespace(id=i, n_computed=0), n) for i, n in enumerate(rng.permutation(lengths).tolist())]
+    groups = engine._groups(plan)
+    assert sorted((r.id, n) for g in groups for r, n in g) == sorted((r.id, n) for r, n in plan)
+    buckets = [2 ** int(np.ceil(np.log2(max(n, 32)))) for n in lengths if n > 1]  # (32, 64, 128, 256)
+    assert len(groups) == len(set(buckets)) + 1 and all(n == 1 for _, n in groups[-1])
+    for g, want in zip(groups, sorted(set(buckets))):
+        assert {2 ** int(np.ceil(np.log2(max(n, 32)))) for _, n in g} == {want}
+        assert engine.shape(g, decode=False)[1] == want
+
+
 def run_random_requests(engine):
     """20 random (prompt length, max tokens, stop set, sampling) combinations, the extremes
     of the prompt lengths among them."""

@@ -75,6 +75,11 @@ class RequestOutput:
     request: Request              # the whole request: prompt, every output id, timings
 
 
+def _fit(n: int, sizes: list[int]) -> int:
+    """The smallest compiled size (ascending `sizes`) that holds n."""
+    return next(x for x in sizes if x >= n)
+
+
 class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  max_model_len: int | None = None, page_size: int = 32, num_pages: int | None = None,
@@ -246,11 +251,10 @@ class Engine:
         (a batch pads every row to its longest chunk: a 200-token chunk beside three short
         ones would run [4, 256], four times its tokens, where [1, 256] and [3, 32] run
         little more than theirs), then the decode rows."""
-        chunk = lambda n: next(c for c in self.sizes["prefill_chunk"] if c >= n)
         by_chunk: dict[int, list] = {}
         for r, n in plan:
             if n > 1:
-                by_chunk.setdefault(chunk(n), []).append((r, n))
+                by_chunk.setdefault(_fit(n, self.sizes["prefill_chunk"]), []).append((r, n))
         decode = [(r, n) for r, n in plan if n == 1]
         return [g for _, g in sorted(by_chunk.items())] + ([decode] if decode else [])
 
@@ -405,8 +409,7 @@ class Engine:
 
     def shape(self, group, *, decode: bool) -> tuple[int, int, int]:
         """The step shape (rows, chunk, table width) that runs these (request, tokens) rows."""
-        sizes = self.sizes
-        fit = lambda n, options: next(x for x in options if x >= n)
+        sizes, fit = self.sizes, _fit
         widest = max(-(-(r.n_computed + n) // self.page_size) for r, n in group)
         if decode:
             b, c = fit(len(group), sizes["decode_rows"]), 1
