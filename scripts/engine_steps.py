@@ -2,6 +2,11 @@
 prefill batches, on random tokens over a filled table, median of `--reps` runs each.
 
     python scripts/engine_steps.py --model smollm2 --max-num-seqs 16 --context 1024
+    python scripts/engine_steps.py --first-calls [--cache DIR]   # what each shape's first call costs
+
+`--first-calls` times, for every shape the engine can run (`Engine.shapes()`), its first
+call after it was compiled (or loaded from jaxdec's executable cache, `--cache`) and a second
+call: the difference is what a fresh server pays the first time its load reaches that shape.
 
 What the decode-row buckets buy: a row costs compute on a CPU, so a lone request's step at
 [1, 1] is several times faster than one padded to [max_num_seqs, 1]; 16 x t(1) / t(16) is
@@ -17,12 +22,18 @@ import jax
 import numpy as np
 
 import jaxdec
+from jaxdec import exec_cache
 from jaxdec.engine.engine import Engine
 
 
 def step_ms(engine: Engine, b: int, c: int, p: int, reps: int, rng: np.random.Generator) -> float:
     """Median ms of the step of shape [b, c] over a table of width p: each row's c new tokens
-    after 100 cached ones, in pages of its own."""
+    after 100 cached ones, in pages of its own (the first run, which warms caches, left out)."""
+    return float(np.median(calls_ms(engine, b, c, p, reps + 1, rng)[1:]))
+
+
+def calls_ms(engine: Engine, b: int, c: int, p: int, n: int, rng: np.random.Generator) -> list[float]:
+    """The ms of n calls in a row of the step of shape [b, c] over a table of width p."""
     args = list(engine._inputs([], b, c, p)[0])
     args[2] = (np.arange(b * p, dtype=np.int32).reshape(b, p)) % engine.pool.n_pages
     args[3] = rng.integers(0, engine.cfg.vocab_size, (b, c)).astype(np.int32)
@@ -31,14 +42,30 @@ def step_ms(engine: Engine, b: int, c: int, p: int, reps: int, rng: np.random.Ge
     args[6] = np.full(b, c - 1, np.int32)
     run = engine._executable(b, c, p, tuple(args))
     times = []
-    for _ in range(reps + 1):  # (the first run warms the caches)
+    for _ in range(n):
         args[1] = engine.pools
         start = time.perf_counter()
         out = run(*args)
         jax.block_until_ready(out[0])
-        times.append(time.perf_counter() - start)
+        times.append(1000 * (time.perf_counter() - start))
         engine.pools = out[3]
-    return 1000 * float(np.median(times[1:]))
+    return times
+
+
+def first_calls(engine: Engine, rng: np.random.Generator) -> None:
+    """Each shape's first and second call, after `warmup` compiled or loaded them all."""
+    start = time.perf_counter()
+    n = engine.warmup()
+    print(f"{n} shapes compiled or loaded in {time.perf_counter() - start:.1f} s")
+    total = [0.0, 0.0]
+    for b, c, p in engine.shapes():
+        first, second = calls_ms(engine, b, c, p, 2, rng)
+        total[0] += first
+        total[1] += second
+        print(f"  [{b}, {c}] over {p} pages: first call {first:.0f} ms, second {second:.0f} ms "
+              f"(+{first - second:.0f})")
+    print(f"every shape once: first calls {total[0] / 1000:.1f} s, second calls {total[1] / 1000:.1f} s "
+          f"(the first calls' extra: {(total[0] - total[1]) / 1000:.1f} s)")
 
 
 def main() -> None:
@@ -48,10 +75,16 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--context", type=int, default=1024, help="--max-model-len")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--first-calls", action="store_true", help="each shape's first call against its second")
+    ap.add_argument("--cache", help="jaxdec's executable cache (as `jaxdec serve` keeps it)")
     args = ap.parse_args()
+    if args.cache:
+        exec_cache.enable(args.cache)
     engine = Engine(jaxdec.load(args.model, weights=args.weights), max_num_seqs=args.max_num_seqs,
                     max_model_len=args.context)
     rng = np.random.default_rng()
+    if args.first_calls:
+        return first_calls(engine, rng)
     widths = engine.sizes["pages"]
     p = widths[min(1, len(widths) - 1)]  # (a short context has one width)
     rows = engine.sizes["decode_rows"]

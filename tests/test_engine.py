@@ -5,6 +5,8 @@ that can never run are refused at once in one line."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import types
 
 import jax
@@ -18,6 +20,7 @@ from jaxdec.engine.engine import Engine
 from jaxdec.engine.request import SamplingParams
 from jaxdec.engine.step import run_rows
 from jaxdec.errors import JaxdecError
+from jaxdec.serve.async_engine import AsyncEngine, Submission
 from tiny_hf import build, byte_tokenizer
 
 PROMPTS = [
@@ -181,19 +184,92 @@ def test_a_warm_engine_compiles_nothing_new(tiny):
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+def pages_but_scratch(engine) -> list[np.ndarray]:
+    """Every pool's pages but the scratch page (the last along the page axis), on the host."""
+    return [np.asarray(x)[:, :engine.scratch] for pool in engine.pools if pool is not None
+            for x in jax.tree.leaves(pool)]
+
+
+def test_priming_runs_each_warmed_shape_on_the_scratch_page_only(tiny):
+    """`prime` runs every compiled shape once on padding rows: no page but the scratch page
+    changes, and a request half-way through its output ends with the tokens it has unprimed."""
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(10, 40, 3)]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=int(rng.integers(1 << 40)))
+
+    def run(prime: bool):  # (few shapes: one chunk size, two table widths, rows 1 and 2)
+        engine = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=32, page_size=8, max_model_len=64,
+                        fill=float("nan"))
+        ids = [engine.add_request(p, params) for p in prompts]
+        for _ in range(4):
+            engine.step()
+        if prime:
+            engine.warmup()
+            ran = set(engine._steps) - set(engine.unprimed())
+            assert ran and engine.unprimed()  # (the steps so far ran some shapes, not all)
+            before = pages_but_scratch(engine)
+            for shape in engine.unprimed():
+                engine.prime(shape)
+            assert engine.unprimed() == []
+            for a, b in zip(before, pages_but_scratch(engine), strict=True):
+                assert np.array_equal(a, b, equal_nan=True)
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.requests[i].output_ids for i in ids]
+
+    assert run(prime=True) == run(prime=False)
+
+
+def test_the_server_loop_primes_while_idle(tiny):
+    """`AsyncEngine` runs every warmed shape once while no request is queued; a request that
+    arrives meanwhile gets the tokens of an engine that never primes."""
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 256, int(rng.integers(10, 40))).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=int(rng.integers(1 << 40)))
+    make = lambda: Engine(tiny, max_num_seqs=2, max_num_batched_tokens=32, page_size=8, max_model_len=64)
+    want = make().generate([prompt], params)[0].output_ids
+    engine = make()
+    engine.warmup()
+    front = AsyncEngine(engine)
+
+    async def ask():
+        queue = await front.submit([Submission("a", prompt, params, time.monotonic())])
+        out = []
+        while not out or not out[-1].finished:
+            out.append(await queue.get())
+        return [t for o in out for t in o.token_ids]
+
+    front.start()
+    try:
+        assert asyncio.run(ask()) == want
+        deadline = time.monotonic() + 60
+        while engine.unprimed():
+            assert time.monotonic() < deadline and front.alive, engine.unprimed()
+            time.sleep(0.05)
+    finally:
+        front.shutdown()
+    assert front.alive is False and front.error is None
+
+
 @pytest.mark.parametrize("page_size,max_model_len,budget", [(8, 160, 64), (32, 1024, 256), (16, 300, 100)])
 def test_every_reachable_step_shape_is_warmed(tiny, page_size, max_model_len, budget):
-    """Each (tokens already in the row, tokens this step) a row can have, in a batch of one
-    row or of the most rows, runs a shape that `warmup` compiles."""
+    """Each (tokens already in the row, tokens this step, rows) a step can hold runs a shape
+    that `warmup` compiles, and every shape it compiles is one of those: no shape that the
+    token budget makes unreachable (two chunks of more than budget / 2 tokens) is compiled."""
     engine = Engine(tiny, max_num_seqs=4, max_num_batched_tokens=budget, page_size=page_size,
                     max_model_len=max_model_len)
     shapes = set(engine.shapes())
     assert len(shapes) == len(engine.shapes())
     row = lambda done: types.SimpleNamespace(n_computed=done)
+    reached, end = set(), engine.max_model_len
     for n in range(1, budget + 1):
-        for done in range(0, engine.max_model_len - n + 1):
-            for k in (1, engine.max_num_seqs if n == 1 else engine.max_prefill_seqs):
-                assert engine.shape([(row(done), n)] * k, decode=n == 1) in shapes, (done, n, k)
+        most = min(engine.max_num_seqs if n == 1 else engine.max_prefill_seqs, budget // n)
+        for done in [*range(0, end - n + 1, page_size), end - n]:  # (every table width the row can need)
+            for k in range(1, most + 1):
+                shape = engine.shape([(row(done), n)] * k, decode=n == 1)
+                assert shape in shapes, (done, n, k)
+                reached.add(shape)
+    assert reached == shapes
     widths = {p for b, c, p in shapes if c > 1}
     assert min(widths) < engine.pages_per_row  # (prefill reads a narrower table when it can)
 

@@ -80,6 +80,11 @@ def _fit(n: int, sizes: list[int]) -> int:
     return next(x for x in sizes if x >= n)
 
 
+def _reached(sizes: list[int], most: int) -> list[int]:
+    """The compiled sizes (ascending) that some n in [1, most] fits into."""
+    return [x for i, x in enumerate(sizes) if (sizes[i - 1] + 1 if i else 1) <= most]
+
+
 class Engine:
     def __init__(self, model, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  max_model_len: int | None = None, page_size: int = 32, num_pages: int | None = None,
@@ -142,6 +147,7 @@ class Engine:
         self._watched: dict[str, list[RequestOutput]] = {}
         self._rng = np.random.default_rng(seed)
         self._steps = {}  # (rows, chunk, table width) -> the step's executable
+        self._ran: set[tuple[int, int, int]] = set()  # the shapes that have run (`prime`)
         self._next_id = 0
         self.last_step = dict(decode_rows=0, prefill_rows=0, tokens=0)  # what the last step ran
         self.counters = dict(steps=0, preemptions=0, prefix_hit_tokens=0, prefix_query_tokens=0,
@@ -368,16 +374,19 @@ class Engine:
                     pages=bucket_sizes(4, self.pages_per_row))
 
     def shapes(self) -> list[tuple[int, int, int]]:
-        """Every step shape (rows, chunk, table width) the engine can run: decode rows at
-        every width, and prefill chunks at the widths that can hold them (a chunk of c
-        tokens holds more than the next smaller chunk's, so its rows reach past that)."""
-        sizes = self.sizes
-        shapes = [(b, 1, p) for b in sizes["decode_rows"] for p in sizes["pages"]]
+        """Every step shape (rows, chunk, table width) the engine can run, and no other:
+        decode rows at every width, and prefill chunks at the widths that can hold them (a
+        chunk of c tokens holds more than the next smaller chunk's, so its rows reach past
+        that). A row bucket is reached only by as many rows as the token budget lets run at
+        once: with a budget of 256, two chunks of more than 128 tokens never share a step,
+        so [2, 256] and [4, 256] are never run."""
+        sizes, budget = self.sizes, self.max_num_batched_tokens
+        shapes = [(b, 1, p) for b in _reached(sizes["decode_rows"], budget) for p in sizes["pages"]]
         smaller = 1
         for c in sizes["prefill_chunk"]:
             least = -(-(smaller + 1) // self.page_size)
-            shapes += [(b, c, p) for b in sizes["prefill_rows"] for p in sizes["pages"]
-                       if p >= least or p == sizes["pages"][-1]]
+            shapes += [(b, c, p) for b in _reached(sizes["prefill_rows"], budget // (smaller + 1))
+                       for p in sizes["pages"] if p >= least or p == sizes["pages"][-1]]
             smaller = c
         return shapes
 
@@ -392,6 +401,24 @@ class Engine:
         with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda s: self._executable(*s, self._inputs([], *s)[0]), shapes))
         return len(shapes)
+
+    def unprimed(self) -> list[tuple[int, int, int]]:
+        """The step shapes compiled (or loaded) that have not run yet, cheapest first
+        (`prime` runs them; a shape never compiled is not compiled for this)."""
+        return sorted((s for s in self._steps if s not in self._ran), key=lambda s: (s[0] * s[1] * s[2], s))
+
+    def prime(self, shape: tuple[int, int, int]) -> float:
+        """Run one step of `shape` on padding rows alone -> its seconds. Padding rows read
+        and write only the scratch page, so no request's pages or outputs change. A shape's
+        first call costs more than its later ones (0.25-0.4 s on two cores: XLA sets up its
+        runtime then): run here, while nothing waits, a request does not pay it."""
+        start = time.perf_counter()
+        args = self._inputs([], *shape)[0]
+        out = self._executable(*shape, args)(*args)
+        self.pools = out[3]
+        jax.block_until_ready(out[0])
+        self._ran.add(shape)
+        return time.perf_counter() - start
 
     def _executable(self, b: int, c: int, p: int, args):
         """The executable of the step of shape (rows b, chunk c, table width p): from
@@ -420,6 +447,7 @@ class Engine:
     def _launch(self, group, b: int, c: int, p: int) -> dict:
         args, where = self._inputs(group, b, c, p)
         sampled, chosen, (top_lp, top_ids), self.pools = self._executable(b, c, p, args)(*args)
+        self._ran.add((b, c, p))
         sampled, chosen, top_lp, top_ids = map(np.asarray, (sampled, chosen, top_lp, top_ids))
         return {rid: (int(sampled[row]), float(chosen[row]), top_ids[row], top_lp[row])
                 for rid, row in where.items()}
