@@ -20,6 +20,7 @@ import types
 import numpy as np
 
 import jaxdec
+from jaxdec import exec_cache
 from jaxdec.bench.workload import workload
 from jaxdec.engine.engine import Engine
 from jaxdec.engine.request import SamplingParams
@@ -64,7 +65,10 @@ def main() -> None:
     ap.add_argument("--ab-one-prefill-batch", action="store_true",
                     help="alternate with the engine before 43ae556 (one padded prefill batch a step)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", help="jaxdec's executable cache (as `jaxdec serve` keeps it)")
     args = ap.parse_args()
+    if args.cache:
+        exec_cache.enable(args.cache)
     model = jaxdec.load(args.model, weights=args.weights)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.context,
                     enable_prefix_caching=False)

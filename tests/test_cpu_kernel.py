@@ -207,12 +207,15 @@ def test_lowering_cpu_and_cuda(monkeypatch):
 
 
 def test_large_m_dispatch():
-    """Without AMX, M >= MAX_KERNEL_M goes to XLA; with it the kernel keeps every M."""
-    K, N, M = 64, 32, ck.MAX_KERNEL_M
-    args = (jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((K, N), jnp.int8),
-            jax.ShapeDtypeStruct((K // 32, N), jnp.float16))
+    """Without AMX, M >= MAX_KERNEL_M goes to XLA (M >= MAX_SCALAR_KERNEL_M where the kernel
+    has no AVX-512 code for this CPU); with AMX the kernel keeps every M."""
+    limit = ck.MAX_KERNEL_M if ck.has_simd() else ck.MAX_SCALAR_KERNEL_M
+    K, N = 64, 32
     f = jax.jit(lambda x, q, s: ck.qmatmul(x, q, s, None, bits=8))
-    assert bool(_custom_calls(f.lower(*args).as_text())) == ck.has_amx()
+    for M in (limit - 1, limit):
+        args = (jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((K, N), jnp.int8),
+                jax.ShapeDtypeStruct((K // 32, N), jnp.float16))
+        assert bool(_custom_calls(f.lower(*args).as_text())) == (M < limit or ck.has_amx())
 
 
 @pytest.mark.skipif(not ck.has_amx(), reason="this CPU has no AMX (or the OS did not grant it)")

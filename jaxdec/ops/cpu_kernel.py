@@ -69,7 +69,7 @@ __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
     "dense_matmul_xla", "expert_matmul", "expert_matmul_xla", "ragged_matmul", "ragged_matmul_xla",
     "attention", "paged_attention", "set_threads", "set_spin_us", "set_adaptive",
-    "MAX_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T",
+    "MAX_KERNEL_M", "MAX_SCALAR_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T", "has_simd",
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
@@ -88,6 +88,17 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 # GEMM blocks better).  With AMX (see `has_amx`) the kernel takes every M: from 16 rows on it
 # multiplies in bf16 tiles, 1.5-2x XLA's f32 GEMM.
 MAX_KERNEL_M = 256
+
+# The same on CPUs without AVX-512 (`has_simd()` false: AVX2-only x86 such as AMD Zen 2/3, and
+# every non-x86 CPU), where the kernel runs its portable scalar loops. Its one win there is a
+# row or a few against weights read from memory: XLA dequantises the whole matrix to f32 on
+# every call (a SmolLM2 Q4_1 decode step [1, 1]: 384 ms through XLA, ~65 ms through the
+# kernel), but from 16 rows XLA's dequantise + dot is ahead (step [16, 1]: 595 ms against 677,
+# and a 32-token prompt chunk [1, 32] 2.5-3x), measured on a 2-vCPU AMD EPYC with AVX2 by
+# `scripts/engine_steps.py` with JAXDEC_CPU_KERNEL=0 and 1.  (Dense float32 weights would do
+# better in XLA at every M there: `scripts/bench_qmatmul.py --variants "f32 dot,kf32"` gave
+# 191 against 807 us a call over 30 cold 576x1536 matrices at M = 1. Not changed yet.)
+MAX_SCALAR_KERNEL_M = 16
 
 # The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured on the SmolLM2
 # shapes with the kernel and XLA in separate processes on a quiet machine: float32, the kernel
@@ -286,6 +297,17 @@ def info() -> dict:
     return out
 
 
+def has_simd() -> bool:
+    """True when the kernel runs its AVX-512 code on this CPU; without it (AVX2-only x86,
+    other CPUs) it runs portable scalar loops, and takes fewer rows (`MAX_SCALAR_KERNEL_M`)."""
+    st = _get()
+    if not st["ok"]:
+        return False
+    if "simd" not in st:
+        st["simd"] = bool(st["lib"].jaxdec_qmm_has_simd())
+    return st["simd"]
+
+
 def has_amx() -> bool:
     """True when the kernel multiplies bf16 and quantised weights in AMX tiles from 16 rows
     of x on (the CPU has AMX-BF16 and the OS granted the tile state): x and the dequantised
@@ -436,8 +458,12 @@ def qmatmul(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
     code = _impl_code(impl)
     xla = functools.partial(qmatmul_xla, bits=bits, group_size=group_size)
     kernel = functools.partial(_ffi, bits=bits, group_size=group_size, impl=code)
-    max_m = (1 << 62) if has_amx() else MAX_KERNEL_M
-    return _dispatch(x, (q, scale, offset), q.shape[1], max_m, kernel, xla)
+    return _dispatch(x, (q, scale, offset), q.shape[1], _quantised_limit(), kernel, xla)
+
+
+def _quantised_limit() -> int:
+    """Rows from which `qmatmul` hands over to XLA's dequantise + dot."""
+    return (1 << 62) if has_amx() else MAX_KERNEL_M if has_simd() else MAX_SCALAR_KERNEL_M
 
 
 def dense_matmul_xla(x, w, *, precision=None) -> jax.Array:
