@@ -95,9 +95,13 @@ MAX_KERNEL_M = 256
 # every call (a SmolLM2 Q4_1 decode step [1, 1]: 384 ms through XLA, ~65 ms through the
 # kernel), but from 16 rows XLA's dequantise + dot is ahead (step [16, 1]: 595 ms against 677,
 # and a 32-token prompt chunk [1, 32] 2.5-3x), measured on a 2-vCPU AMD EPYC with AVX2 by
-# `scripts/engine_steps.py` with JAXDEC_CPU_KERNEL=0 and 1.  (Dense float32 weights would do
-# better in XLA at every M there: `scripts/bench_qmatmul.py --variants "f32 dot,kf32"` gave
-# 191 against 807 us a call over 30 cold 576x1536 matrices at M = 1. Not changed yet.)
+# `scripts/engine_steps.py` with JAXDEC_CPU_KERNEL=0 and 1.  (The threshold is AMX's: there
+# too, rows from 16 on are summed otherwise than fewer.)  Dense float32 weights would do better
+# in XLA at every M on such a CPU (`scripts/bench_qmatmul.py --variants "f32 dot,kf32"`: 191
+# against 807 us a call over 30 cold 576x1536 matrices at M = 1), but they stay in the kernel
+# below 64 rows: its sums of a row do not depend on the row count up to 8 rows, which is what
+# makes a speculative verification chunk give the decode steps' logits bit for bit (XLA's
+# need not).
 MAX_SCALAR_KERNEL_M = 16
 
 # The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured on the SmolLM2
