@@ -410,7 +410,7 @@ class Engine:
     def prime(self, shape: tuple[int, int, int]) -> float:
         """Run one step of `shape` on padding rows alone -> its seconds. Padding rows read
         and write only the scratch page, so no request's pages or outputs change. A shape's
-        first call costs more than its later ones (0.25-0.4 s on two cores: XLA sets up its
+        first call costs more than its later ones (0.1-1 s on two cores: XLA sets up its
         runtime then): run here, while nothing waits, a request does not pay it."""
         start = time.perf_counter()
         args = self._inputs([], *shape)[0]

@@ -12,7 +12,7 @@ The engine is not thread-safe, so every call into it happens on the loop thread:
 the calls queued since its last step (adds and aborts, run in order), steps while any
 request is unfinished, and sleeps on a condition when idle. Before it sleeps, it runs each
 warmed step shape that has not run yet once, on padding rows (`Engine.prime`, cheapest
-first, one shape between checks of the queue): a shape's first call costs 0.25-0.4 s more
+first, one shape between checks of the queue): a shape's first call costs 0.1-1 s more
 than its later ones, and then no request's step pays it. A request that arrives meanwhile
 waits for the one shape running, at most. Each output goes to the asyncio
 queue of its request through `loop.call_soon_threadsafe`. If a step raises, the thread
