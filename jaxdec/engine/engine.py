@@ -413,11 +413,7 @@ class Engine:
         first call costs more than its later ones (0.1-1 s on two cores: XLA sets up its
         runtime then): run here, while nothing waits, a request does not pay it."""
         start = time.perf_counter()
-        args = self._inputs([], *shape)[0]
-        out = self._executable(*shape, args)(*args)
-        self.pools = out[3]
-        jax.block_until_ready(out[0])
-        self._ran.add(shape)
+        self._launch([], *shape)  # (no rows: every row is padding)
         return time.perf_counter() - start
 
     def _executable(self, b: int, c: int, p: int, args):
