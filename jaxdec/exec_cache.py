@@ -258,7 +258,8 @@ def _settings() -> str:
         "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion")]
     # available() also registers the kernel's FFI targets, which a loaded executable calls
     kernel = (cpu_kernel.available(), cpu_kernel.has_amx(), cpu_kernel.PORTABLE,
-              cpu_kernel.has_simd(), cpu_kernel.MAX_KERNEL_M, cpu_kernel.MAX_SCALAR_KERNEL_M,
+              cpu_kernel.isa(), cpu_kernel.MAX_KERNEL_M, cpu_kernel.MAX_AVX2_KERNEL_M,
+              cpu_kernel.MAX_SCALAR_KERNEL_M,
               sorted(cpu_kernel.MAX_DENSE_KERNEL_M.items()), cpu_kernel.MAX_ATTENTION_T)
     return repr((env, flags, kernel))
 

@@ -203,7 +203,7 @@ def main():
     # The kernel variants always run the kernel here, also at M >= MAX_KERNEL_M /
     # MAX_DENSE_KERNEL_M where `qmatmul` / `dense_matmul` would hand over to XLA: the table is
     # what sets those crossovers.
-    ck.MAX_KERNEL_M = 1 << 30
+    ck.MAX_KERNEL_M = ck.MAX_AVX2_KERNEL_M = ck.MAX_SCALAR_KERNEL_M = 1 << 30
     ck.MAX_DENSE_KERNEL_M = dict.fromkeys(ck.MAX_DENSE_KERNEL_M, 1 << 30)
     shapes = {"smol": SMOL, "qwen": QWEN, "all": SMOL + QWEN}[args.shapes]
     Ms = [int(m) for m in args.m.split(",")]

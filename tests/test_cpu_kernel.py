@@ -46,7 +46,7 @@ def ref_weights(q, s, o, bits, g):
 
 def amx_rows(M: int, impl: str = "auto", g: int = 32) -> bool:
     """Whether the kernel computes these rows in AMX tiles (bf16 inputs, f32 sums)."""
-    return ck.has_amx() and impl != "scalar" and M >= 16 and g % 2 == 0
+    return ck.has_amx() and impl in ("auto", "simd") and M >= 16 and g % 2 == 0
 
 
 def bf16_round(a) -> np.ndarray:
@@ -89,29 +89,33 @@ def test_matches_reference(K, N, M, offset, bits):
     check(f(x, q, s, o), x, q, s, o, bits, 32)
 
 
+@pytest.mark.parametrize("impl", ["auto", "avx2"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("offset", [False, True])
-def test_rows_do_not_depend_on_the_blocking(bits, offset):
+def test_rows_do_not_depend_on_the_blocking(bits, offset, impl):
     """Up to 8 rows share register blocks of up to 6 (int4: 4) rows, split into balanced
     blocks (7 rows: 4 + 3). A row's sums must not depend on which block it lands in: the
     first m rows of an 8-row product are bit for bit the m-row product, for every m. (A
     speculative verification computes the draft's rows together; plain decoding, one.)"""
     x, q, s, o = make(8, 576, 700, bits, offset=offset, seed=5)
-    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits))
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, impl=impl))
     full = np.asarray(f(x, q, s, o))
     check(full, x, q, s, o, bits, 32)
     for m in range(1, 8):
         np.testing.assert_array_equal(np.asarray(f(x[:m], q, s, o)), full[:m], err_msg=f"{m} rows")
 
 
+@pytest.mark.parametrize("impl", ["scalar", "avx2"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("offset", [False, True])
-@pytest.mark.parametrize("M", [1, 5, 12])
-@pytest.mark.parametrize("K,N", [(96, 100), (576, 77)])
-def test_scalar_fallback(K, N, M, offset, bits):
+@pytest.mark.parametrize("M", [1, 5, 12, 40])
+@pytest.mark.parametrize("K,N", [(96, 100), (576, 77), (64, 48)])
+def test_portable_and_avx2_paths(K, N, M, offset, bits, impl):
+    """The scalar loops (any CPU), and the AVX2 code (x86 without AVX-512; the scalar loops on
+    a CPU without AVX2) that AVX-512 machines never take by themselves."""
     x, q, s, o = make(M, K, N, bits, offset=offset, seed=1)
-    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, impl="scalar"))
-    check(f(x, q, s, o), x, q, s, o, bits, 32, impl="scalar")
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, impl=impl))
+    check(f(x, q, s, o), x, q, s, o, bits, 32, impl=impl)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -121,21 +125,22 @@ def test_group_sizes(g, K, M, bits):
     """Group sizes other than 32, incl. ones that are not a multiple of 4 rows and ones longer
     than the kernel's panel (split accumulation)."""
     x, q, s, o = make(M, K, 70, bits, g=g, offset=True, seed=2)
-    for impl in ("auto", "scalar"):
+    for impl in ("auto", "scalar", "avx2"):
         f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, group_size=g, impl=impl))
         check(f(x, q, s, o), x, q, s, o, bits, g, impl=impl)
 
 
-def test_wide_parallel_and_thread_independence():
+@pytest.mark.parametrize("impl", ["auto", "avx2"])
+def test_wide_parallel_and_thread_independence(impl):
     """A matrix big enough to be split across threads; per-column arithmetic does not depend on
     the split, so one thread and all threads agree bit for bit."""
     x, q, s, o = make(2, 576, 4100, 8, offset=True, seed=3)
-    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=8))
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=8, impl=impl))
     y_all = np.asarray(f(x, q, s, o))
     check(y_all, x, q, s, o, 8, 32)
     try:
         ck.set_threads(1)
-        y_one = np.asarray(jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=8) + 0.0)(x, q, s, o))
+        y_one = np.asarray(jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=8, impl=impl) + 0.0)(x, q, s, o))
     finally:
         ck.set_threads(0)
     np.testing.assert_array_equal(y_all, y_one)
@@ -207,9 +212,10 @@ def test_lowering_cpu_and_cuda(monkeypatch):
 
 
 def test_large_m_dispatch():
-    """Without AMX, M >= MAX_KERNEL_M goes to XLA (M >= MAX_SCALAR_KERNEL_M where the kernel
-    has no AVX-512 code for this CPU); with AMX the kernel keeps every M."""
-    limit = ck.MAX_KERNEL_M if ck.has_simd() else ck.MAX_SCALAR_KERNEL_M
+    """Without AMX, M >= MAX_KERNEL_M goes to XLA (M >= MAX_AVX2_KERNEL_M or
+    MAX_SCALAR_KERNEL_M where the kernel runs AVX2 or scalar code on this CPU); with AMX the
+    kernel keeps every M."""
+    limit = {"avx512": ck.MAX_KERNEL_M, "avx2": ck.MAX_AVX2_KERNEL_M}.get(ck.isa(), ck.MAX_SCALAR_KERNEL_M)
     K, N = 64, 32
     f = jax.jit(lambda x, q, s: ck.qmatmul(x, q, s, None, bits=8))
     for M in (limit - 1, limit):
@@ -331,12 +337,26 @@ def test_dense_matches_reference(K, N, M, dtype, dense_kernel_any_m):
     check_dense(y, x, w)
 
 
+@pytest.mark.parametrize("impl", ["scalar", "avx2"])
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
 @pytest.mark.parametrize("M", [1, 5, 12])
-@pytest.mark.parametrize("K,N", [(96, 100), (577, 77), (33, 1)])
-def test_dense_scalar_fallback(K, N, M, dtype):
+@pytest.mark.parametrize("K,N", [(96, 100), (577, 77), (33, 1), (64, 48)])
+def test_dense_portable_and_avx2_paths(K, N, M, dtype, impl):
     x, w = make_dense(M, K, N, dtype, seed=1)
-    check_dense(jax.jit(lambda x, w: ck.dense_matmul(x, w, impl="scalar"))(x, w), x, w, impl="scalar")
+    check_dense(jax.jit(lambda x, w: ck.dense_matmul(x, w, impl=impl))(x, w), x, w, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["auto", "avx2"])
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_dense_rows_do_not_depend_on_the_row_count(dtype, impl):
+    """Up to 8 rows, a row's sums are the same bit for bit whatever the other rows: the
+    decode step's logits equal a speculative verification chunk's."""
+    x, w = make_dense(8, 576, 1536, dtype, seed=6)
+    f = jax.jit(lambda x, w: ck.dense_matmul(x, w, impl=impl))
+    full = np.asarray(f(x, w))
+    check_dense(full, x, w, impl=impl)
+    for m in range(1, 8):
+        np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m], err_msg=f"{m} rows")
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)

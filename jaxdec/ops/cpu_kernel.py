@@ -69,7 +69,8 @@ __all__ = [
     "available", "reason", "info", "qmatmul", "qmatmul_xla", "dequantize", "dense_matmul",
     "dense_matmul_xla", "expert_matmul", "expert_matmul_xla", "ragged_matmul", "ragged_matmul_xla",
     "attention", "paged_attention", "set_threads", "set_spin_us", "set_adaptive",
-    "MAX_KERNEL_M", "MAX_SCALAR_KERNEL_M", "MAX_DENSE_KERNEL_M", "MAX_ATTENTION_T", "has_simd",
+    "MAX_KERNEL_M", "MAX_AVX2_KERNEL_M", "MAX_SCALAR_KERNEL_M", "MAX_DENSE_KERNEL_M",
+    "MAX_ATTENTION_T", "has_simd", "isa",
 ]
 
 SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
@@ -89,19 +90,21 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 # multiplies in bf16 tiles, 1.5-2x XLA's f32 GEMM.
 MAX_KERNEL_M = 256
 
-# The same on CPUs without AVX-512 (`has_simd()` false: AVX2-only x86 such as AMD Zen 2/3, and
-# every non-x86 CPU), where the kernel runs its portable scalar loops. Its one win there is a
-# row or a few against weights read from memory: XLA dequantises the whole matrix to f32 on
-# every call (a SmolLM2 Q4_1 decode step [1, 1]: 384 ms through XLA, ~65 ms through the
-# kernel), but from 16 rows XLA's dequantise + dot is ahead (step [16, 1]: 595 ms against 677,
-# and a 32-token prompt chunk [1, 32] 2.5-3x), measured on a 2-vCPU AMD EPYC with AVX2 by
-# `scripts/engine_steps.py` with JAXDEC_CPU_KERNEL=0 and 1.  (The threshold is AMX's: there
-# too, rows from 16 on are summed otherwise than fewer.)  Dense float32 weights would do better
-# in XLA at every M on such a CPU (`scripts/bench_qmatmul.py --variants "f32 dot,kf32"`: 191
-# against 807 us a call over 30 cold 576x1536 matrices at M = 1), but they stay in the kernel
-# below 64 rows: its sums of a row do not depend on the row count up to 8 rows, which is what
-# makes a speculative verification chunk give the decode steps' logits bit for bit (XLA's
-# need not).
+# The same on CPUs with AVX2 and no AVX-512 (`isa()` "avx2": AMD Zen 1-3, Intel client parts),
+# where the kernel has no panel path. Measured with scripts/bench_qmatmul.py on a 2-vCPU AMD
+# EPYC: int8/int4 weights, the kernel is 1.3-2.4x XLA's dequantise + dot at M = 16 (3.6-7x on
+# the 49152-column LM head), ahead or level at M = 32, and from 0.75x to 1.3x at M = 128.
+MAX_AVX2_KERNEL_M = 128
+
+# The same where the kernel runs its portable scalar loops (`isa()` "scalar": x86 without
+# AVX2, and every non-x86 CPU). Its one win there is a row or a few against weights read from
+# memory: XLA dequantises the whole matrix to f32 on every call (a SmolLM2 Q4_1 decode step
+# [1, 1]: 384 ms through XLA, ~65 ms through the scalar loops), but from 16 rows XLA's
+# dequantise + dot is ahead (step [16, 1]: 595 ms against 677, and a 32-token prompt chunk
+# [1, 32] 2.5-3x), measured on the AMD EPYC with the scalar loops forced. Dense float32
+# weights stay in the kernel below 64 rows whatever the CPU: its sums of a row do not depend
+# on the row count up to 8 rows, which is what makes a speculative verification chunk give
+# the decode steps' logits bit for bit (XLA's need not).
 MAX_SCALAR_KERNEL_M = 16
 
 # The same for `dense_matmul` (XLA: `jnp.dot`), by weight dtype.  Measured on the SmolLM2
@@ -126,7 +129,7 @@ MAX_ATTENTION_T = 16
 # Weight dtypes the dense kernel reads, and the `dtype` attribute of each.
 _DENSE_DTYPES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}
 
-_IMPLS = {"auto": 0, "scalar": 1, "simd": 2}
+_IMPLS = {"auto": 0, "scalar": 1, "simd": 2, "avx2": 3}
 
 # When the default backend is the CPU, programs call the kernel directly. Set PORTABLE to
 # stage `jax.lax.platform_dependent(cpu=kernel, default=xla)` instead: one program for every
@@ -291,6 +294,7 @@ def info() -> dict:
     if st["ok"]:
         lib = st["lib"]
         out["simd"] = bool(lib.jaxdec_qmm_has_simd())
+        out["isa"] = isa()
         out["amx"] = has_amx()
         out["threads"] = int(lib.jaxdec_qmm_pool_threads())
         stats = (ctypes.c_longlong * 3)()
@@ -301,15 +305,22 @@ def info() -> dict:
     return out
 
 
-def has_simd() -> bool:
-    """True when the kernel runs its AVX-512 code on this CPU; without it (AVX2-only x86,
-    other CPUs) it runs portable scalar loops, and takes fewer rows (`MAX_SCALAR_KERNEL_M`)."""
+def isa() -> str:
+    """The instruction set the kernel's matmuls run on this CPU: "avx512", "avx2" or
+    "scalar" (portable loops); "" without the kernel. Each takes x up to its own row count
+    (`MAX_KERNEL_M`, `MAX_AVX2_KERNEL_M`, `MAX_SCALAR_KERNEL_M`); the decode attention has
+    AVX-512 code only."""
     st = _get()
     if not st["ok"]:
-        return False
-    if "simd" not in st:
-        st["simd"] = bool(st["lib"].jaxdec_qmm_has_simd())
-    return st["simd"]
+        return ""
+    if "isa" not in st:
+        st["isa"] = ("scalar", "avx2", "avx512")[int(st["lib"].jaxdec_qmm_isa())]
+    return st["isa"]
+
+
+def has_simd() -> bool:
+    """True when the kernel runs its AVX-512 code on this CPU (matmuls and decode attention)."""
+    return isa() == "avx512"
 
 
 def has_amx() -> bool:
@@ -467,7 +478,9 @@ def qmatmul(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
 
 def _quantised_limit() -> int:
     """Rows from which `qmatmul` hands over to XLA's dequantise + dot."""
-    return (1 << 62) if has_amx() else MAX_KERNEL_M if has_simd() else MAX_SCALAR_KERNEL_M
+    if has_amx():
+        return 1 << 62
+    return {"avx512": MAX_KERNEL_M, "avx2": MAX_AVX2_KERNEL_M}.get(isa(), MAX_SCALAR_KERNEL_M)
 
 
 def dense_matmul_xla(x, w, *, precision=None) -> jax.Array:

@@ -691,6 +691,149 @@ void avx512_slab_range(const Job& J, int64_t s0, int64_t s1) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// AVX2 path: CPUs with AVX2, FMA and F16C but no AVX-512 (AMD Zen 1-3, Intel client parts).
+// The register path of the AVX-512 code at half the width: a chunk is one unit (16 columns, two
+// 8-lane vectors), an M-block up to 6 rows (int4: 4) in 16 ymm registers.  A row's sums are
+// FMAs in k order within a group, then scale and offset per group, whatever its block: they do
+// not depend on M (at any M: there is no panel path; more rows are more M-blocks, each reading
+// the chunk of W again from L1) or on the thread count.
+// A last unit short of 16 columns goes to the scalar loop.
+// ---------------------------------------------------------------------------------------------
+
+#define QMM_TARGET2 __attribute__((target("avx2,fma,f16c")))
+
+// Widens 8 columns of a stored row from p to f32: w[0], and w[1] (the odd row) for int4.
+template <Fmt F>
+QMM_TARGET2 QMM_INLINE void load8(const uint8_t* p, __m256* w) {
+  if (F == kInt8) {
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  } else if (F == kInt4) {
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));
+    w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
+  } else if (F == kF32) {
+    w[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One group `gi`: `nchunks` whole units from column c0, each for `mblocks` blocks of MB rows of
+// x from m0, accumulated into y (as tile_avx512).
+template <int MB, Fmt F, bool OFF>
+QMM_TARGET2 void tile_avx2(const Job& J, int64_t m0, int64_t mblocks, int64_t c0, int64_t nchunks, int64_t gi) {
+  constexpr int R = kRowsPerLoad<F>;
+  constexpr int64_t EB = kElemBytes<F>;
+  const int64_t N = J.N, K = J.K, g = J.g, G = J.G;
+  const int64_t rows = group_rows(J, gi), stride = N * EB;
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const int64_t c = c0 + ch * 16;
+    __m256 s[2], o[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      o[v] = _mm256_setzero_ps();
+      if (is_dense(F)) {
+        s[v] = _mm256_set1_ps(1.f);
+        continue;
+      }
+      s[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(J.scale + gi * N + c + 8 * v)));
+      if (OFF) o[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(J.off + gi * N + c + 8 * v)));
+    }
+    for (int64_t mb = 0; mb < mblocks; ++mb) {
+      const int64_t mr = m0 + mb * MB;
+      __m256 acc[MB][2];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      const float* xp = J.x + mr * K + gi * g;
+      const uint8_t* qp = row_ptr(J, gi * g, c);
+      for (int64_t kk = 0; kk < rows; kk += R, qp += stride) {
+        __m256 w0[R], w1[R];
+        load8<F>(qp, w0);
+        load8<F>(qp + 8 * EB, w1);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(xp + m * K + kk + r);
+            acc[m][0] = _mm256_fmadd_ps(xb, w0[r], acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xb, w1[r], acc[m][1]);
+          }
+      }
+      // y += acc * scale (+ sum(x) * offset).
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        float* yp = J.y + (mr + m) * N + c;
+        const __m256 xs = OFF ? _mm256_set1_ps(J.xsum[(mr + m) * G + gi]) : _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v) {
+          __m256 cur = _mm256_fmadd_ps(acc[m][v], s[v], _mm256_loadu_ps(yp + 8 * v));
+          if (OFF) cur = _mm256_fmadd_ps(xs, o[v], cur);
+          _mm256_storeu_ps(yp + 8 * v, cur);
+        }
+      }
+    }
+  }
+}
+
+using Tile2Fn = void (*)(const Job&, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+// 6 rows x 2 vectors: 12 accumulators + 2 widened W vectors + a broadcast x = 15 of 16 ymm;
+// int4 widens two rows (4 vectors) and needs its nibble mask: 4 rows.
+inline int max_mb_avx2(Fmt f) { return f == kInt4 ? 4 : 6; }
+
+template <Fmt F, bool OFF>
+struct Tile2Table {
+  static constexpr Tile2Fn fn[6] = {tile_avx2<1, F, OFF>, tile_avx2<2, F, OFF>, tile_avx2<3, F, OFF>,
+                                    tile_avx2<4, F, OFF>, tile_avx2<5, F, OFF>, tile_avx2<6, F, OFF>};
+};
+
+Tile2Fn lookup_tile_avx2(Fmt fmt, bool off, int mb) {
+  switch (fmt) {
+    case kInt4: return off ? Tile2Table<kInt4, true>::fn[mb - 1] : Tile2Table<kInt4, false>::fn[mb - 1];
+    case kInt8: return off ? Tile2Table<kInt8, true>::fn[mb - 1] : Tile2Table<kInt8, false>::fn[mb - 1];
+    case kF32: return Tile2Table<kF32, false>::fn[mb - 1];
+    case kBF16: return Tile2Table<kBF16, false>::fn[mb - 1];
+  }
+  return nullptr;
+}
+
+// Columns [16*u0, 16*u1) of y, all whole units: bands of columns, the groups in order within a
+// band (as avx512_range), the rows in balanced M-blocks.
+void avx2_units(const Job& J, int64_t u0, int64_t u1) {
+  const int64_t N = J.N;
+  for (int64_t m = 0; m < J.M; ++m) std::memset(J.y + m * N + u0 * 16, 0, sizeof(float) * (u1 - u0) * 16);
+  const bool off = J.off != nullptr;
+  const int64_t nb = (J.M + max_mb_avx2(J.fmt) - 1) / max_mb_avx2(J.fmt), base = J.M / nb, extra = J.M % nb;
+  const Tile2Fn big = lookup_tile_avx2(J.fmt, off, static_cast<int>(base + (extra ? 1 : 0)));
+  const Tile2Fn small = lookup_tile_avx2(J.fmt, off, static_cast<int>(base));
+  for (int64_t ub = u0; ub < u1; ub += band_units(J)) {
+    const int64_t n = std::min(ub + band_units(J), u1) - ub;
+    for (int64_t gi = 0; gi < J.G; ++gi) {
+      if (extra) big(J, 0, extra, ub * 16, n, gi);  // `extra` blocks of base + 1 rows
+      if (nb > extra) small(J, extra * (base + 1), nb - extra, ub * 16, n, gi);
+    }
+  }
+}
+
+void avx2_range(const Job& J, int64_t u0, int64_t u1) {
+  if (u0 >= u1) return;
+  if (J.N % 16 && u1 == J.units) {  // the short last unit
+    scalar_range(J, u1 - 1, u1);
+    --u1;
+  }
+  if (u0 < u1) avx2_units(J, u0, u1);
+}
+
+bool cpu_has_avx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+
 bool cpu_has_avx512() {
   static const bool ok = [] {
     __builtin_cpu_init();
@@ -714,7 +857,9 @@ inline void set_fp_mode(unsigned v) { _mm_setcsr(v); }
 
 void avx512_range(const Job& J, int64_t u0, int64_t u1) { scalar_range(J, u0, u1); }
 void avx512_slab_range(const Job&, int64_t, int64_t) {}  // never used: simd is false
+void avx2_range(const Job& J, int64_t u0, int64_t u1) { scalar_range(J, u0, u1); }
 bool cpu_has_avx512() { return false; }
+bool cpu_has_avx2() { return false; }
 inline void cpu_relax() {}
 inline unsigned get_fp_mode() { return 0; }
 inline void set_fp_mode(unsigned) {}
@@ -727,6 +872,17 @@ inline void set_fp_mode(unsigned) {}
 // ---------------------------------------------------------------------------------------------
 
 using RangeFn = void (*)(const Job&, int64_t, int64_t);
+
+// impl: 0 auto, 1 scalar, 2 simd (the best this CPU has), 3 AVX2 (where the CPU has it; for
+// tests and benchmarks on AVX-512 machines).  The AVX-512 code is used for 0 and 2.
+bool use_avx512(int64_t impl) { return (impl == 0 || impl == 2) && cpu_has_avx512(); }
+
+// The N-split work of a matmul on this CPU.
+RangeFn nsplit_range(int64_t impl) {
+  if (impl == 1) return scalar_range;
+  if (use_avx512(impl)) return avx512_range;
+  return cpu_has_avx2() ? avx2_range : scalar_range;
+}
 
 
 int default_threads() {
@@ -1243,7 +1399,7 @@ int64_t slab_count(const Job& J, bool simd) {
   return n >= 2 ? n : 0;
 }
 
-// impl: 0 auto, 1 scalar, 2 simd (falls back to scalar if unsupported).  scale is null for the
+// impl: see use_avx512.  scale is null for the
 // dense formats (and g, the blocking of K, chosen here).
 void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const uint16_t* off,
                float* y, int64_t M, int64_t K, int64_t N, Fmt fmt, int64_t g, int impl,
@@ -1253,7 +1409,7 @@ void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const ui
     std::fill(y, y + M * N, 0.f);
     return;
   }
-  const bool simd = impl != 1 && cpu_has_avx512();
+  const bool simd = use_avx512(impl);
   const int amx_min_m = g_amx_min_m.load(std::memory_order_relaxed);
   const bool amx = simd && fmt != kF32 && (fmt == kBF16 || g % 2 == 0) && amx_min_m > 0 &&
                    M >= amx_min_m && cpu_has_amx();
@@ -1319,7 +1475,7 @@ void matmul_2d(const float* x, const uint8_t* q, const uint16_t* scale, const ui
     return;
   }
   // Split N: chunks of a multiple of 4 units (64 columns), about 4 per thread.
-  run_job(J, simd ? avx512_range : scalar_range, 4, 8, 4, weight_bytes(J) * M);
+  run_job(J, nsplit_range(impl), 4, 8, 4, weight_bytes(J) * M);
 }
 
 int64_t prod(ffi::Span<const int64_t> d, size_t from, size_t to) {
@@ -1496,7 +1652,7 @@ ffi::Error ExpertMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buff
   float* yp = y->typed_data();
   for (int64_t s = 0; s < S; ++s)
     if (ip[s] < 0 || ip[s] >= E) return ffi::Error::InvalidArgument("expert_matmul: expert index out of range");
-  const bool simd = impl != 1 && cpu_has_avx512();
+  const bool simd = use_avx512(impl);
   const int amx_min_m = g_amx_min_m.load(std::memory_order_relaxed);
   const bool amx = simd && fmt == kBF16 && amx_min_m > 0 && M >= amx_min_m && cpu_has_amx();
   if (amx || (simd && M > g_panel_min_m.load(std::memory_order_relaxed)) || K == 0 || N == 0) {
@@ -1509,7 +1665,7 @@ ffi::Error ExpertMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buff
   // Few rows (decoding): every slot's column units are items of one job on the pool, so the
   // threads split all the chosen experts at once instead of synchronising once per slot.
   ExpertJob X;
-  X.fn = simd ? avx512_range : scalar_range;
+  X.fn = nsplit_range(impl);
   X.units = (N + 15) / 16;
   X.slots.resize(static_cast<size_t>(S));
   const int64_t g = std::min<int64_t>(std::max(1, g_dense_group.load(std::memory_order_relaxed)), K);
@@ -1978,7 +2134,7 @@ AttnJob attn_job(const float* q, float* out, int64_t T, int64_t N, int64_t H, fl
   A.H = H;
   A.Kh = A.G = A.S_total = 0;
   A.scale = scale;
-  A.simd = impl != 1 && cpu_has_avx512();
+  A.simd = use_avx512(impl);
   return A;
 }
 
@@ -2129,6 +2285,8 @@ extern "C" {
 
 // 1 if the AVX-512 path is used on this CPU.
 int jaxdec_qmm_has_simd() { return cpu_has_avx512() ? 1 : 0; }
+// The matmul path of this CPU: 2 AVX-512, 1 AVX2, 0 scalar loops.
+int jaxdec_qmm_isa() { return cpu_has_avx512() ? 2 : cpu_has_avx2() ? 1 : 0; }
 // 1 if bf16 and quantised W with M >= jaxdec_qmm_amx_min_m() rows use AMX tiles.
 int jaxdec_qmm_has_amx() { return cpu_has_amx() ? 1 : 0; }
 int jaxdec_qmm_amx_min_m() { return g_amx_min_m.load(); }
