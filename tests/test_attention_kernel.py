@@ -64,7 +64,7 @@ SHAPES = [(2, 1, 9, 3, 64, 37), (2, 1, 14, 2, 64, 130), (3, 4, 8, 2, 40, 70), (1
           (2, ck.MAX_ATTENTION_T, 6, 1, 24, 50)]
 
 
-@pytest.mark.parametrize("impl", ["auto", "scalar"])
+@pytest.mark.parametrize("impl", ["auto", "scalar", "avx2"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_reference(shape, dtype, impl):
@@ -73,7 +73,7 @@ def test_matches_reference(shape, dtype, impl):
     np.testing.assert_allclose(out, reference(q, blocks), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["auto", "scalar"])
+@pytest.mark.parametrize("impl", ["auto", "scalar", "avx2"])
 def test_query_that_sees_nothing_gets_zeros(impl):
     """A padding row (no visible key in any block) comes out as zeros, finite."""
     q, (cache, chunk) = make(2, 1, 6, 3, 32, 20, jnp.float32, seed=13)
@@ -98,13 +98,14 @@ def test_agrees_with_xla_reference_where_every_query_sees_a_key():
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5)
 
 
-def test_thread_independence():
+@pytest.mark.parametrize("impl", ["auto", "avx2"])
+def test_thread_independence(impl):
     """Work items (sequence, kv head) never depend on the split: bit-identical results."""
     q, blocks = make(8, 1, 9, 3, 64, 300, jnp.float32, seed=9)
-    y_all = run(q, blocks)
+    y_all = run(q, blocks, impl)
     try:
         ck.set_threads(1)
-        y_one = run(q, blocks)
+        y_one = run(q, blocks, impl)
     finally:
         ck.set_threads(0)
     np.testing.assert_array_equal(y_all, y_one)
@@ -178,7 +179,7 @@ def run_paged(q, paged, impl="auto"):
     return np.asarray(f(q, *paged))
 
 
-@pytest.mark.parametrize("impl", ["auto", "scalar"])
+@pytest.mark.parametrize("impl", ["auto", "scalar", "avx2"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 1, 9, 3, 64, 4, 32), (2, 3, 14, 2, 64, 3, 16), (2, 2, 4, 2, 24, 5, 8)])
 def test_paged_is_the_dense_kernel_bit_for_bit(shape, dtype, impl):

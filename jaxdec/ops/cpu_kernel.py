@@ -308,8 +308,8 @@ def info() -> dict:
 def isa() -> str:
     """The instruction set the kernel's matmuls run on this CPU: "avx512", "avx2" or
     "scalar" (portable loops); "" without the kernel. Each takes x up to its own row count
-    (`MAX_KERNEL_M`, `MAX_AVX2_KERNEL_M`, `MAX_SCALAR_KERNEL_M`); the decode attention has
-    AVX-512 code only."""
+    (`MAX_KERNEL_M`, `MAX_AVX2_KERNEL_M`, `MAX_SCALAR_KERNEL_M`). The decode attention runs
+    on the same instruction set."""
     st = _get()
     if not st["ok"]:
         return ""
@@ -319,7 +319,7 @@ def isa() -> str:
 
 
 def has_simd() -> bool:
-    """True when the kernel runs its AVX-512 code on this CPU (matmuls and decode attention)."""
+    """True when the kernel runs its AVX-512 code on this CPU."""
     return isa() == "avx512"
 
 
@@ -462,8 +462,9 @@ def qmatmul(x, q, scale, offset=None, *, bits: int, group_size: int = 32,
     program serves both.  Works under jit, inside loops, and under vmap (the kernel folds vmapped
     rows of x into M when the weights are shared, and loops over batched weights otherwise).
 
-    impl: "auto" (default; JAXDEC_QMM_IMPL overrides), "scalar" (portable C++ loop) or
-    "simd" (AVX-512 when the CPU has it).
+    impl: "auto" (default; JAXDEC_QMM_IMPL overrides), "scalar" (portable C++ loops), "simd"
+    (the best this CPU has: AVX-512 or AVX2) or "avx2" (the AVX2 code even where AVX-512 is
+    there; scalar loops without AVX2).
     """
     x = jnp.asarray(x)
     q = jnp.asarray(q)

@@ -1781,7 +1781,7 @@ struct AttnJob {
   std::vector<AttnBlock> blocks;
   int64_t T, N, Kh, G, H, S_total;
   float scale;
-  bool simd;
+  bool simd, avx2;  // the AVX-512 code, else the AVX2 code, else the scalar loops
 };
 
 inline float bf16_to_float(uint16_t h) {
@@ -2026,10 +2026,210 @@ QMM_TARGET void attn_values_paged_avx512(const float* p, int64_t St, const Rows&
   }
 }
 
-// Queries (t, g0 .. g0+NQ) of item (b, kh): all blocks, softmax, values, into A.out.
+// Row of St scores -> e^(score - mx) in place; returns 1 / their sum (0 if none is visible).
+QMM_TARGET float attn_softmax_avx512(float* row, int64_t St, float mx) {
+  const __m512 m = _mm512_set1_ps(mx == -std::numeric_limits<float>::infinity() ? 0.f : mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < St; s += 16) {
+    const __mmask16 k = tail_mask(St - s);
+    const __m512 e = exp_nonpos(_mm512_sub_ps(
+        _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), k, row + s), m));
+    _mm512_mask_storeu_ps(row + s, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float l = _mm512_reduce_add_ps(sum);
+  return l > 0.f ? 1.f / l : 0.f;
+}
+
+// ---- AVX2 decode attention: the AVX-512 code at 8 lanes.  A partial last step of 8 is read
+// through a zero-filled copy (AVX2 has no masked 16-bit loads, and no read may leave a row).
+
+// The horizontal sum of 8 lanes in a fixed order: ((0+4)+(2+6)) + ((1+5)+(3+7)).
+QMM_TARGET2 QMM_INLINE float hsum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+// 8 lanes of a f32 or bf16 row from element i; the first n < 8 only (others `fill`).
+QMM_TARGET2 QMM_INLINE __m256 attn_load8(const uint8_t* p, int64_t i, bool bf16, int64_t n, float fill = 0.f) {
+  if (n >= 8) {
+    if (bf16) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
+  }
+  alignas(32) float t[8];
+  for (int k = 0; k < 8; ++k) t[k] = k < n ? attn_elem(p, i + k, bf16) : fill;
+  return _mm256_load_ps(t);
+}
+
+QMM_TARGET2 QMM_INLINE __m256 load8f(const float* p, int64_t n, float fill = 0.f) {
+  return attn_load8(reinterpret_cast<const uint8_t*>(p), 0, false, n, fill);
+}
+
+// e^x for x <= 0 (and -inf -> 0), as exp_nonpos, with x clamped at -87 (2^n stays normal;
+// e^-87 is 1.6e-38, nothing beside the largest weight, 1).
+QMM_TARGET2 QMM_INLINE __m256 exp_nonpos8(__m256 x) {
+  const __m256 finite = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), finite);
+}
+
+// As attn_scores_avx512.
 template <int NQ>
-QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int64_t t, int64_t g0,
-                                    AttnScratch& W) {
+QMM_TARGET2 void attn_scores_avx2(const float* qs, int64_t H, const Rows& krows, bool bf16, const bool* mk,
+                                  int64_t S, float* sc, int64_t St, float* mx, int64_t& lo, int64_t& hi) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  lo = S;
+  hi = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!mk[s]) {
+      for (int j = 0; j < NQ; ++j) sc[j * St + s] = ninf;
+      continue;
+    }
+    lo = std::min(lo, s);
+    hi = s + 1;
+    const uint8_t* krow = krows(s);
+    __m256 acc[NQ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t h = 0; h < H; h += 8) {
+      const __m256 k = attn_load8(krow, h, bf16, H - h);
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) acc[j] = _mm256_fmadd_ps(load8f(qs + j * H + h, H - h), k, acc[j]);
+    }
+    for (int j = 0; j < NQ; ++j) {
+      const float d = hsum8(acc[j]);
+      sc[j * St + s] = d;
+      mx[j] = std::max(mx[j], d);
+    }
+  }
+}
+
+// As attn_values_avx512: lane i of step c holds slot lo + 8c + i.
+template <int NQ>
+QMM_TARGET2 void attn_values_avx2(const float* p, int64_t St, const uint8_t* vb, bool bf16, int64_t H, int64_t S,
+                                  int64_t lo, int64_t hi, float* o) {
+  const int64_t esz = bf16 ? 2 : 4;
+  for (int64_t h = 0; h < H; ++h) {
+    const uint8_t* vrow = vb + h * S * esz;
+    __m256 acc[NQ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NQ; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t s = lo; s < hi; s += 8) {
+      const __m256 v = attn_load8(vrow, s, bf16, hi - s);
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) acc[j] = _mm256_fmadd_ps(load8f(p + j * St + s, hi - s), v, acc[j]);
+    }
+    for (int j = 0; j < NQ; ++j) o[j * H + h] += hsum8(acc[j]);
+  }
+}
+
+// attn_values_avx2 over a paged block's value rows, without gathers: slot s's whole row goes
+// into lane (s - lo) % 8 of every element's accumulator (kept per lane, A[j][lane][h]), so each
+// lane sums the same products in the same order as the dense layout, and the lanes are then
+// added in hsum8's order.  A slot no query weighs (p = 0 for all NQ) is not read (a page
+// nobody wrote may hold NaN); in the dense layout it adds 0.
+template <int NQ>
+QMM_TARGET2 void attn_values_paged_avx2(const float* p, int64_t St, const Rows& vrows, bool bf16, int64_t H,
+                                        int64_t lo, int64_t hi, float* o) {
+  const int64_t Hp = (H + 7) / 8 * 8;
+  thread_local std::vector<float> acc_buf;
+  acc_buf.assign(static_cast<size_t>(NQ * 8 * Hp), 0.f);
+  float* A = acc_buf.data();
+  for (int64_t s = lo; s < hi; ++s) {
+    bool any = false;
+    for (int j = 0; j < NQ; ++j) any |= p[j * St + s] != 0.f;
+    if (!any) continue;
+    const uint8_t* vr = vrows(s);
+    const int64_t lane = (s - lo) & 7;
+    __m256 pj[NQ];
+    for (int j = 0; j < NQ; ++j) pj[j] = _mm256_set1_ps(p[j * St + s]);
+    for (int64_t h = 0; h < H; h += 8) {
+      const __m256 v = attn_load8(vr, h, bf16, H - h);
+#pragma GCC unroll 8
+      for (int j = 0; j < NQ; ++j) {
+        float* a = A + (j * 8 + lane) * Hp + h;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(pj[j], v, _mm256_loadu_ps(a)));
+      }
+    }
+  }
+  for (int j = 0; j < NQ; ++j) {
+    const float* a = A + j * 8 * Hp;
+    for (int64_t h = 0; h < H; h += 8) {
+      __m256 l[8];
+      for (int i = 0; i < 8; ++i) l[i] = _mm256_loadu_ps(a + i * Hp + h);
+      const __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),
+                                     _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7])));
+      alignas(32) float t[8];
+      _mm256_store_ps(t, r);
+      for (int64_t k = 0; k < std::min<int64_t>(8, H - h); ++k) o[j * H + h + k] += t[k];
+    }
+  }
+}
+
+QMM_TARGET2 float attn_softmax_avx2(float* row, int64_t St, float mx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const __m256 m = _mm256_set1_ps(mx == ninf ? 0.f : mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t s = 0; s < St; s += 8) {
+    const __m256 e = exp_nonpos8(_mm256_sub_ps(load8f(row + s, St - s, ninf), m));
+    if (St - s >= 8) {
+      _mm256_storeu_ps(row + s, e);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, e);
+      for (int64_t k = 0; k < St - s; ++k) row[s + k] = tmp[k];
+    }
+    sum = _mm256_add_ps(sum, e);
+  }
+  const float l = hsum8(sum);
+  return l > 0.f ? 1.f / l : 0.f;
+}
+
+// The vector code of one instruction set, for attn_queries: Avx512Attn, Avx2Attn.
+#define QMM_ATTN_ISA(NAME, SFX)                                                                        \
+  struct NAME {                                                                                        \
+    template <int NQ>                                                                                  \
+    static void scores(const float* qs, int64_t H, const Rows& krows, bool bf16, const bool* mk, int64_t S, \
+                       float* sc, int64_t St, float* mx, int64_t& lo, int64_t& hi) {                   \
+      attn_scores_##SFX<NQ>(qs, H, krows, bf16, mk, S, sc, St, mx, lo, hi);                           \
+    }                                                                                                  \
+    static float softmax(float* row, int64_t St, float mx) { return attn_softmax_##SFX(row, St, mx); } \
+    template <int NQ>                                                                                  \
+    static void values(const float* p, int64_t St, const uint8_t* vb, bool bf16, int64_t H, int64_t S, \
+                       int64_t lo, int64_t hi, float* o) {                                             \
+      attn_values_##SFX<NQ>(p, St, vb, bf16, H, S, lo, hi, o);                                         \
+    }                                                                                                  \
+    template <int NQ>                                                                                  \
+    static void values_paged(const float* p, int64_t St, const Rows& vrows, bool bf16, int64_t H,       \
+                             int64_t lo, int64_t hi, float* o) {                                       \
+      attn_values_paged_##SFX<NQ>(p, St, vrows, bf16, H, lo, hi, o);                                   \
+    }                                                                                                  \
+  };
+QMM_ATTN_ISA(Avx512Attn, avx512)
+QMM_ATTN_ISA(Avx2Attn, avx2)
+#undef QMM_ATTN_ISA
+
+// Queries (t, g0 .. g0+NQ) of item (b, kh): all blocks, softmax, values, into A.out, with the
+// vector code of `Isa` (Avx512Attn, Avx2Attn).
+template <class Isa, int NQ>
+void attn_queries(const AttnJob& A, int64_t b, int64_t kh, int64_t t, int64_t g0, AttnScratch& W) {
   const int64_t H = A.H, St = A.S_total, i0 = t * A.G + g0;
   const float* qs = W.q.data() + i0 * H;
   float* sc = W.sc.data() + i0 * St;
@@ -2039,35 +2239,22 @@ QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int
   int64_t off = 0;
   for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
     const AttnBlock& blk = A.blocks[bi];
-    attn_scores_avx512<NQ>(qs, H, rows_of(blk, blk.k, b, A.Kh, kh, H), blk.bf16, blk.mask + (b * A.T + t) * blk.S, blk.S, sc + off, St, mx,
-                           W.lo[bi], W.hi[bi]);
+    Isa::template scores<NQ>(qs, H, rows_of(blk, blk.k, b, A.Kh, kh, H), blk.bf16,
+                             blk.mask + (b * A.T + t) * blk.S, blk.S, sc + off, St, mx, W.lo[bi], W.hi[bi]);
     off += blk.S;
   }
   float inv[NQ];
-  for (int j = 0; j < NQ; ++j) {
-    float* row = sc + j * St;
-    const __m512 m = _mm512_set1_ps(mx[j] == -std::numeric_limits<float>::infinity() ? 0.f : mx[j]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t s = 0; s < St; s += 16) {
-      const __mmask16 k = tail_mask(St - s);
-      const __m512 e = exp_nonpos(_mm512_sub_ps(
-          _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), k, row + s), m));
-      _mm512_mask_storeu_ps(row + s, k, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const float l = _mm512_reduce_add_ps(sum);
-    inv[j] = l > 0.f ? 1.f / l : 0.f;
-  }
+  for (int j = 0; j < NQ; ++j) inv[j] = Isa::softmax(sc + j * St, St, mx[j]);
   std::fill(out, out + NQ * H, 0.f);
   off = 0;
   for (size_t bi = 0; bi < A.blocks.size(); ++bi) {
     const AttnBlock& blk = A.blocks[bi];
     if (blk.table) {
-      attn_values_paged_avx512<NQ>(sc + off, St, rows_of(blk, blk.v, b, A.Kh, kh, H), blk.bf16, H, W.lo[bi],
-                                   W.hi[bi], out);
+      Isa::template values_paged<NQ>(sc + off, St, rows_of(blk, blk.v, b, A.Kh, kh, H), blk.bf16, H, W.lo[bi],
+                                     W.hi[bi], out);
     } else {
       const uint8_t* vb = blk.v + (b * A.Kh + kh) * H * blk.S * (blk.bf16 ? 2 : 4);
-      attn_values_avx512<NQ>(sc + off, St, vb, blk.bf16, H, blk.S, W.lo[bi], W.hi[bi], out);
+      Isa::template values<NQ>(sc + off, St, vb, blk.bf16, H, blk.S, W.lo[bi], W.hi[bi], out);
     }
     off += blk.S;
   }
@@ -2077,25 +2264,31 @@ QMM_TARGET void attn_queries_avx512(const AttnJob& A, int64_t b, int64_t kh, int
   }
 }
 
-QMM_TARGET void attn_item_avx512(const AttnJob& A, int64_t u, AttnScratch& W) {
+// Item u = (b, kh): its queries in groups of up to 8.
+template <class Isa>
+void attn_item(const AttnJob& A, int64_t u, AttnScratch& W) {
   const int64_t b = u / A.Kh, kh = u % A.Kh;
   for (int64_t t = 0; t < A.T; ++t)
     for (int64_t g0 = 0; g0 < A.G; g0 += 8) {
       switch (std::min<int64_t>(8, A.G - g0)) {
-        case 1: attn_queries_avx512<1>(A, b, kh, t, g0, W); break;
-        case 2: attn_queries_avx512<2>(A, b, kh, t, g0, W); break;
-        case 3: attn_queries_avx512<3>(A, b, kh, t, g0, W); break;
-        case 4: attn_queries_avx512<4>(A, b, kh, t, g0, W); break;
-        case 5: attn_queries_avx512<5>(A, b, kh, t, g0, W); break;
-        case 6: attn_queries_avx512<6>(A, b, kh, t, g0, W); break;
-        case 7: attn_queries_avx512<7>(A, b, kh, t, g0, W); break;
-        default: attn_queries_avx512<8>(A, b, kh, t, g0, W); break;
+        case 1: attn_queries<Isa, 1>(A, b, kh, t, g0, W); break;
+        case 2: attn_queries<Isa, 2>(A, b, kh, t, g0, W); break;
+        case 3: attn_queries<Isa, 3>(A, b, kh, t, g0, W); break;
+        case 4: attn_queries<Isa, 4>(A, b, kh, t, g0, W); break;
+        case 5: attn_queries<Isa, 5>(A, b, kh, t, g0, W); break;
+        case 6: attn_queries<Isa, 6>(A, b, kh, t, g0, W); break;
+        case 7: attn_queries<Isa, 7>(A, b, kh, t, g0, W); break;
+        default: attn_queries<Isa, 8>(A, b, kh, t, g0, W); break;
       }
     }
 }
 
+void attn_item_avx512(const AttnJob& A, int64_t u, AttnScratch& W) { attn_item<Avx512Attn>(A, u, W); }
+void attn_item_avx2(const AttnJob& A, int64_t u, AttnScratch& W) { attn_item<Avx2Attn>(A, u, W); }
+
 #else
 void attn_item_avx512(const AttnJob& A, int64_t u, AttnScratch& W) { attn_item_scalar(A, u, W); }
+void attn_item_avx2(const AttnJob& A, int64_t u, AttnScratch& W) { attn_item_scalar(A, u, W); }
 #endif  // QMM_X86
 
 void attn_range(const Job& J, int64_t u0, int64_t u1) {
@@ -2119,6 +2312,8 @@ void attn_range(const Job& J, int64_t u0, int64_t u1) {
       }
     if (A.simd)
       attn_item_avx512(A, u, W);
+    else if (A.avx2)
+      attn_item_avx2(A, u, W);
     else
       attn_item_scalar(A, u, W);
   }
@@ -2135,6 +2330,7 @@ AttnJob attn_job(const float* q, float* out, int64_t T, int64_t N, int64_t H, fl
   A.Kh = A.G = A.S_total = 0;
   A.scale = scale;
   A.simd = use_avx512(impl);
+  A.avx2 = !A.simd && impl != 1 && cpu_has_avx2();
   return A;
 }
 
