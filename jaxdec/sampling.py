@@ -46,31 +46,68 @@ class Sample:
     def filter(self, logits: jax.Array) -> jax.Array:
         """f32[B, V] logits with removed tokens set to -inf (temperature applied)."""
         x = logits.astype(jnp.float32) / self.temperature
-        if self.top_k and self.top_k < x.shape[-1]:
-            kth = jax.lax.top_k(x, self.top_k)[0][:, -1:]
-            x = jnp.where(x < kth, _REMOVED, x)
-        if self.top_p < 1.0:
-            x = _top_p(x, self.top_p)
-        if self.min_p > 0.0:
-            probs = jax.nn.softmax(x, axis=-1)
-            threshold = self.min_p * jnp.max(probs, axis=-1, keepdims=True)
-            x = jnp.where(probs < threshold, _REMOVED, x)
-        return x
+        if not (self.top_k or self.top_p < 1.0 or self.min_p > 0.0):
+            return x
+        rows = lambda v, dtype: jnp.full(x.shape[:1], v, dtype)
+        return _filter(x, rows(self.top_k, jnp.int32), rows(self.top_p, jnp.float32),
+                       rows(self.min_p, jnp.float32))
 
     def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
         return jax.random.categorical(key, self.filter(logits), axis=-1).astype(jnp.int32)
 
 
-def _top_p(x: jax.Array, p: float) -> jax.Array:
-    """Keep the smallest set of most likely tokens whose mass reaches p (at least one)."""
-    order = jnp.argsort(-x, axis=-1)
-    sorted_x = jnp.take_along_axis(x, order, axis=-1)
-    probs = jax.nn.softmax(sorted_x, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < p
-    keep_sorted = keep_sorted.at[:, 0].set(True)
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
-    return jnp.where(keep, x, _REMOVED)
+# How many of the most likely tokens top-k and top-p look at, in turn: a row whose cuts fall
+# among the first 256 (top_k <= 256, and they hold top_p of the mass) is filtered from them,
+# else from the first 4096, else from its whole sorted vocabulary. Sorting a row of 49152
+# costs XLA on the CPU ~30 ms; its top 256, about 1.
+CANDIDATES = (256, 4096)
+
+
+def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """x f32[R, V] (temperature applied), per-row knobs [R] -> x with removed tokens -inf:
+    top-k (ties with the k-th kept), top-p over the most likely tokens in stable order (the
+    first kept), then min-p, as HF's warpers. Each row is computed from its `CANDIDATES`
+    most likely tokens where its cuts fall among them, else from its whole sorted vocabulary:
+    which one depends on the row alone, never on the other rows."""
+    v = x.shape[-1]
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+
+    def cut(c: int) -> tuple[jax.Array, jax.Array]:
+        """(x after top-k and top-p from the c most likely tokens, whether that was exact)."""
+        vals, idx = jax.lax.top_k(x, c)  # descending; ties: the lower index first
+        # vals is read by reductions and elementwise ops only: a slice or a gather of it
+        # makes XLA's CPU compiler sort the whole row instead of a top-k call
+        kth = jnp.min(jnp.where(jnp.arange(c) < k[:, None], vals, jnp.inf), axis=-1)
+        kth = jnp.where(k <= c, kth, -jnp.inf)
+        top = jnp.max(vals, axis=-1, keepdims=True)
+        xk = jnp.where(x < kth[:, None], _REMOVED, x)
+        vk = jnp.where(vals < kth[:, None], _REMOVED, vals)
+        z = jnp.sum(jnp.exp(xk - top), axis=-1, keepdims=True)
+        probs = jnp.exp(vk - top) / z
+        mass = jnp.cumsum(probs, axis=-1)
+        keep = (mass - probs < top_p[:, None]).at[:, 0].set(True)
+        rows = jnp.arange(x.shape[0])[:, None]
+        kept = jnp.zeros(x.shape, bool).at[rows, idx].set(keep)
+        out = jnp.where((top_p[:, None] >= 1.0) | kept, xk, _REMOVED)
+        exact = (c == v) | (((k <= c) | (k == v)) & ((top_p >= 1.0) | (mass[:, -1] >= top_p)))
+        return out, exact
+
+    def widen(levels, out, exact):
+        """Rows not yet exact from the next level's candidates (the last: all of them)."""
+        if not levels:
+            return out
+
+        def more():
+            wide, ok = cut(levels[0])
+            return widen(levels[1:], jnp.where(exact[:, None], out, wide), exact | ok)
+
+        return jax.lax.cond(jnp.all(exact), lambda: out, more)
+
+    levels = [c for c in CANDIDATES if c < v] + [v]
+    out = widen(levels[1:], *cut(levels[0]))
+    probs = jax.nn.softmax(out, axis=-1)
+    low = (probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)) & (min_p[:, None] > 0)
+    return jnp.where(low, _REMOVED, out)
 
 
 def Temperature(temperature: float) -> Sample:  # noqa: N802 (a sampler constructor)
@@ -126,22 +163,10 @@ class RowParams:
 
 def filter_rows(logits: jax.Array, p: RowParams) -> jax.Array:
     """f32[R, V] -> what `Sample(...).filter` gives each sampled row alone (temperature,
-    top-k, top-p, min-p in that order; removed tokens -inf), from one sort of the batch."""
+    top-k, top-p, min-p in that order; removed tokens -inf)."""
     x = logits.astype(jnp.float32) / jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
-    v = x.shape[-1]
-    order = jnp.argsort(-x, axis=-1)  # stable, as `_top_p`'s
-    sx = jnp.take_along_axis(x, order, axis=-1)
-    k = jnp.where((p.top_k > 0) & (p.top_k < v), p.top_k, v)
-    kth = jnp.take_along_axis(sx, (k - 1)[:, None], axis=-1)
-    sx = jnp.where(sx < kth, _REMOVED, sx)
-    probs = jax.nn.softmax(sx, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs < p.top_p[:, None]) | (p.top_p[:, None] >= 1.0)
-    sx = jnp.where(keep.at[:, 0].set(True), sx, _REMOVED)
-    probs = jax.nn.softmax(sx, axis=-1)
-    low = (probs < p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)) & (p.min_p[:, None] > 0)
-    sx = jnp.where(low, _REMOVED, sx)
-    rows = jnp.arange(x.shape[0])[:, None]
-    return jnp.zeros_like(x).at[rows, order].set(sx)
+    filters = jnp.any((p.temperature > 0) & ((p.top_k > 0) | (p.top_p < 1.0) | (p.min_p > 0)))
+    return jax.lax.cond(filters, lambda: _filter(x, p.top_k, p.top_p, p.min_p), lambda: x)
 
 
 def sample_rows(logits: jax.Array, p: RowParams, keys: jax.Array) -> jax.Array:

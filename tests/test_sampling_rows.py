@@ -51,3 +51,34 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows():
     for r in range(4):
         alone = np.asarray(sample_jit(logits[r:r + 1], RowParams.of(rows[r:r + 1]), keys[r:r + 1]))
         assert alone[0] == full[r]
+
+
+def test_rows_past_the_candidates_match_hf_and_do_not_depend_on_the_batch():
+    """A vocabulary larger than `sampling.CANDIDATES`: rows whose cuts fall among the 256
+    most likely tokens, among the 4096 most likely, and rows that need all of them sorted
+    (top_k above 4096, top_p not reached within them), each as HF's warpers filter it, and the
+    same bits alone as beside rows of the other kinds."""
+    from test_sampling import hf_filter
+
+    rng = np.random.default_rng()
+    v = 6000
+    peaked, flat = rng.normal(0, 4, v), rng.normal(0, 0.3, v)
+    rows = [(Sample(temperature=0.9, top_k=40), peaked), (Sample(top_p=0.9), peaked),
+            (Sample(top_p=0.999), flat), (Sample(top_k=300), flat), (Sample(top_p=0.5), flat),
+            (Sample(top_k=5000), flat),
+            (Sample(top_k=300, top_p=0.5, min_p=0.1), peaked), (Sample(min_p=0.05), flat),
+            (Sample(temperature=1.3, top_p=0.95, min_p=0.02), peaked)]
+    logits = np.stack([x for _, x in rows]).astype(np.float32)
+    # every kind is here: the top 256 of `peaked` hold 0.9 of its mass; of `flat`, the top 256
+    # do not hold 0.5, the top 4096 do, and not 0.999
+    mass = lambda x, n: (lambda e: e[:n].sum() / e.sum())(np.sort(np.exp(x - x.max()))[::-1])
+    assert mass(peaked, 256) > 0.95 and mass(flat, 256) < 0.5 < mass(flat, 4096) < 0.99
+    samplers = [s for s, _ in rows]
+    got = np.asarray(filter_jit(jnp.asarray(logits), RowParams.of(samplers)))
+    for r, s in enumerate(samplers):
+        want = hf_filter(s, logits[r:r + 1])[0]
+        np.testing.assert_array_equal(np.isneginf(got[r]), np.isneginf(want), err_msg=str(s))
+        np.testing.assert_allclose(got[r][~np.isneginf(want)], want[~np.isneginf(want)], rtol=1e-6)
+        alone = np.asarray(filter_jit(jnp.asarray(logits[r:r + 1]), RowParams.of([s])))[0]
+        np.testing.assert_array_equal(alone, got[r], err_msg=str(s))
+        np.testing.assert_array_equal(np.asarray(s.filter(jnp.asarray(logits[r:r + 1])))[0], got[r])
