@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from jaxdec.sampling import Greedy, RowParams, Sample, filter_rows, sample_rows
+from jaxdec.sampling import Greedy, RowParams, Sample, draw, filter_rows, sample_rows
 
 ROW = st.one_of(
     st.just(Greedy()),
@@ -17,6 +17,12 @@ ROW = st.one_of(
 
 filter_jit = jax.jit(filter_rows)
 sample_jit = jax.jit(sample_rows)
+
+
+def inverse_cdf(x: np.ndarray, u: float) -> int:
+    """float64: the first token whose cumulative softmax mass exceeds u."""
+    w = np.exp(np.asarray(x, np.float64) - np.max(x))
+    return int(np.searchsorted(np.cumsum(w), u * w.sum(), side="right"))
 
 
 @settings(max_examples=40, deadline=None)
@@ -38,7 +44,7 @@ def test_each_row_filters_and_draws_as_its_sampler_alone(rows, seed, ties):
         want = np.asarray(s.filter(jnp.asarray(logits[r:r + 1])))[0]
         np.testing.assert_array_equal(np.isinf(got[r]), np.isinf(want))
         np.testing.assert_allclose(got[r][~np.isinf(got[r])], want[~np.isinf(want)], rtol=1e-6)
-        assert drawn[r] == int(jax.random.categorical(keys[r], jnp.asarray(want)))
+        assert drawn[r] == inverse_cdf(want, float(jax.random.uniform(keys[r])))
         assert not np.isinf(want[drawn[r]])
 
 
@@ -82,3 +88,22 @@ def test_rows_past_the_candidates_match_hf_and_do_not_depend_on_the_batch():
         alone = np.asarray(filter_jit(jnp.asarray(logits[r:r + 1]), RowParams.of([s])))[0]
         np.testing.assert_array_equal(alone, got[r], err_msg=str(s))
         np.testing.assert_array_equal(np.asarray(s.filter(jnp.asarray(logits[r:r + 1])))[0], got[r])
+
+
+def test_draw_maps_uniforms_onto_the_distribution():
+    """`draw` is a function of one uniform a row: over a fine grid of uniforms, each token's
+    share is its softmax probability to within the grid's step (blocks of 256 tokens, some
+    tokens and a whole block removed, a short last block), and a removed token never comes."""
+    rng = np.random.default_rng()
+    v, n = 700, 50_000
+    x = rng.normal(0, 1.5, v)
+    x[rng.random(v) < 0.3] = -np.inf
+    x[256:512] = -np.inf
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    u = (np.arange(n) + 0.5) / n
+    tokens = np.asarray(jax.jit(draw)(jnp.broadcast_to(jnp.asarray(x, jnp.float32), (n, v)),
+                                      jnp.asarray(u, jnp.float32)))
+    assert np.all(np.isfinite(x[tokens]))
+    share = np.bincount(tokens, minlength=v) / n
+    np.testing.assert_allclose(share, p, atol=3 / n)
