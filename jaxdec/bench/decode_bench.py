@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from jaxdec.bench import peers
+from jaxdec.bench import host, peers
 from jaxdec.bench.roofline import bandwidth_gbs, step_bytes
 
 # A fixed English passage: the prompts are its first 32 and 512 tokens (repeated as needed).
@@ -98,7 +98,7 @@ def run(s: Settings, log=print) -> dict:
     log("measuring streaming-read bandwidth ...")
     bw = bandwidth_gbs()
     log(f"  {bw:.1f} GB/s")
-    base = {"gguf": gguf, "model": s.model, "threads": s.threads, "batches": list(s.batches),
+    base = {"host": host(), "gguf": gguf, "model": s.model, "threads": s.threads, "batches": list(s.batches),
             "new_tokens": s.new_tokens, "repeats": s.repeats}
     short, long = prompts(_tokenizer(s), s)  # the same ids for every system, peers alone too
     base |= {"prompt_ids": short, "prefill_ids": long}
@@ -182,7 +182,8 @@ def table(report: dict) -> str:
     fmt = lambda v: "-" if v is None else (f"{v:.3g}" if isinstance(v, float) and v < 10
                                            else f"{v:.1f}" if isinstance(v, float) else str(v))
     width = max([14, *(len(n) for n in names)])
-    out = [f"bandwidth {report['bandwidth_gbs']} GB/s (f32 matvec, {report['settings']['threads']} threads)",
+    out = [f"host: {report.get('host', '?')}",
+           f"bandwidth {report['bandwidth_gbs']} GB/s (f32 matvec, {report['settings']['threads']} threads)",
            "metric".ljust(28) + "".join(n.rjust(width + 2) for n in names)]
     for label, get in rows:
         out.append(label.ljust(28) + "".join(fmt(get(systems[n])).rjust(width + 2) for n in names))

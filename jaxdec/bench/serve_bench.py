@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from jaxdec.bench import serve_client, serve_report, serve_stats
+from jaxdec.bench import host, serve_client, serve_report, serve_stats
 from jaxdec.bench.serve_stats import Slo
 from jaxdec.errors import JaxdecError
 from jaxdec.serve.server import free_port
@@ -263,7 +263,8 @@ def run(s: Settings, log=print) -> dict:
         log(f"{system.name} (max_num_seqs {system.max_num_seqs}) ...")
         results[system.name] = bench_system(system, s, gguf, loads, closed, warm, log)
     caps = capacities(results)
-    return {"settings": dataclasses.asdict(s), "gguf": gguf, "systems": results, "capacity_req_s": caps,
+    return {"host": host(), "settings": dataclasses.asdict(s), "gguf": gguf, "systems": results,
+            "capacity_req_s": caps,
             "sla_vs_static": sla_vs_static(results, caps), "ratios": ratios(results)}
 
 

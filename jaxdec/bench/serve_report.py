@@ -130,7 +130,7 @@ def _capacity_lines(report: dict) -> list[str]:
 
 
 def _server_lines(report: dict) -> list[str]:
-    out = ["Servers:"]
+    out = [f"Host: {report.get('host', '?')}", "Servers:"]
     for name, r in report["systems"].items():
         out.append(f"  {name}: {' '.join(r['argv'])}")
         if "error" in r:
