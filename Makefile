@@ -15,7 +15,7 @@ demo: $(VENV)/.demo
 # The tests need llama.cpp too (k-quant blocks are checked against its quantiser, and it must
 # load and run the GGUF files jaxdec writes): the `bench` target builds it (~7 min, once).
 test: $(VENV)/.test $(VENV)/.bench models corpora
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest --durations=40
 
 # Everything, the tests in tests/slow.txt and the other -m slow checks included (about 90
 # minutes on 2 cores). It must pass before an issue is resolved. The slow tier also runs

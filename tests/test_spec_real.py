@@ -78,8 +78,11 @@ def test_verification_rows_equal_decode_steps_bit_for_bit(dtype):
     rng = np.random.default_rng(int.from_bytes(dtype.encode(), "little") % 2**32)
     prompt = jax.numpy.asarray(rng.integers(100, cfg.vocab_size, (1, 37)), "int32")
     chunk = jax.numpy.asarray(rng.integers(100, cfg.vocab_size, (1, 7)), "int32")
-    forward = jax.jit(lambda c, t, pos: transformer.forward(params, t, pos, c, cfg),
-                      compiler_options=decode.COMPILER_OPTIONS)
+    # params an argument, not a closure: 135M constants in the program cost minutes of XLA
+    # constant folding (262 s of a CI run on a 2-core AMD host)
+    step = jax.jit(lambda p, c, t, pos: transformer.forward(p, t, pos, c, cfg),
+                   compiler_options=decode.COMPILER_OPTIONS)
+    forward = lambda c, t, pos: step(params, c, t, pos)
 
     def prefilled():
         cache = jaxdec.api.init_cache(model, 1, 64)
