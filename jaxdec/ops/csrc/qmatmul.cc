@@ -1898,6 +1898,11 @@ QMM_TARGET QMM_INLINE __m512 attn_load16(const uint8_t* p, int64_t i, bool bf16,
   return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p) + i);
 }
 
+// ln 2 in two parts (the first exact in few bits, so n * kLn2Hi is exact), and the Taylor
+// coefficients of e^r, highest degree first: shared by exp_nonpos and exp_nonpos8.
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-06f;
+constexpr float kExpTaylor[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+
 // e^x for x <= 0 (and -inf -> 0): x = n ln2 + r, |r| <= ln2/2, a degree-7 Taylor polynomial
 // (relative error below 1e-8) scaled by 2^n.
 QMM_TARGET QMM_INLINE __m512 exp_nonpos(__m512 x) {
@@ -1906,16 +1911,11 @@ QMM_TARGET QMM_INLINE __m512 exp_nonpos(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
 }
 
@@ -2076,16 +2076,11 @@ QMM_TARGET2 QMM_INLINE __m256 exp_nonpos8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), finite);
 }
