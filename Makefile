@@ -66,7 +66,10 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(c
 	-DGGML_AVX512=$(call has,avx512f) -DGGML_AVX512_VBMI=$(call has,avx512vbmi) \
 	-DGGML_AVX512_BF16=$(call has,avx512_bf16) -DGGML_AVX_VNNI=$(VNNI) -DGGML_AVX512_VNNI=$(VNNI) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-LLAMA_FLAGS_SUM := $(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+# (the Python package skips llama.cpp's multimodal library, mtmd: llama_cpp loads it only for
+# image chat handlers, and it is about a tenth of the build)
+LLAMA_PY_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAVA_BUILD=OFF
+LLAMA_FLAGS_SUM := $(shell echo '$(LLAMA_PY_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
 LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
 
 bench: $(VENV)/.bench
@@ -80,7 +83,7 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.test $(LLAMA_STAMP)
 $(LLAMA_STAMP): | $(VENV)/.test
 	$(BIN)/python -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" \
 		"diskcache>=5.6.1" "jinja2>=2.11.3"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
+	CMAKE_ARGS="$(LLAMA_PY_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
 		--force-reinstall --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	touch $@
 
@@ -88,7 +91,7 @@ $(LLAMA_STAMP): | $(VENV)/.test
 # llama-cpp-python $(LLAMA_CPP_VERSION) vendors (its sdist), with the instruction-set flags above,
 # statically linked, installed as $(BIN)/llama-server. Not a dependency of `make test`
 # (it takes minutes to build); `make test-all` and `make bench-serve` build it.
-LLAMA_SERVER_STAMP := $(VENV)/.llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
+LLAMA_SERVER_STAMP := $(VENV)/.llama-server-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
 LLAMA_SERVER_BUILD := $(VENV)/build/llama-server
 LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
