@@ -357,13 +357,18 @@ def test_a_client_leaving_mid_stream_frees_its_row_and_pages(url):
     assert baseline["jaxdec:num_requests_running"] == 0
     body = {"model": "smollm2", "prompt": LONG, "max_tokens": 150, "stream": True, "ignore_eos": True}
     with httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        chunks = 0
-        for line in r.iter_lines():
-            chunks += line.startswith("data: {")
-            if chunks == 3:
+        # (the iterator is held: one dropped by `break` closes the response as it is
+        # collected, and the server, seeing its client leave, could free the row before
+        # /metrics is read below)
+        start, read, lines = time.monotonic(), [], r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                read.append(json.loads(line[6:])["choices"][0])
+            if len(read) == 3:
                 break
         during = stats(url)
-        assert during["jaxdec:num_requests_running"] == 1 and during["jaxdec:kv_pages_used"] > 0
+        seen = f"after {time.monotonic() - start:.1f} s: {read}"
+        assert during["jaxdec:num_requests_running"] == 1 and during["jaxdec:kv_pages_used"] > 0, seen
     _back_to(url, baseline)
 
 
