@@ -748,7 +748,9 @@ QMM_TARGET2 void tile_avx2(const Job& J, int64_t m0, int64_t mblocks, int64_t c0
       for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
       const float* xp = J.x + mr * K + gi * g;
       const uint8_t* qp = row_ptr(J, gi * g, c);
+      const int64_t pf = mb != 0 ? 0 : prefetch_offset(J, gi);  // (as tile_avx512)
       for (int64_t kk = 0; kk < rows; kk += R, qp += stride) {
+        if (QMM_PREFETCH && pf) prefetch_span<16 * EB>(qp + pf);
         __m256 w0[R], w1[R];
         load8<F>(qp, w0);
         load8<F>(qp + 8 * EB, w1);
