@@ -69,7 +69,8 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(c
 # (the Python package skips llama.cpp's multimodal library, mtmd: llama_cpp loads it only for
 # image chat handlers, and it is about a tenth of the build)
 LLAMA_PY_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAVA_BUILD=OFF
-LLAMA_FLAGS_SUM := $(shell echo '$(LLAMA_PY_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+flags_sum = $(shell echo '$(1)' | cksum | cut -d' ' -f1)
+LLAMA_FLAGS_SUM := $(call flags_sum,$(LLAMA_PY_CMAKE_ARGS))
 LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
 
 bench: $(VENV)/.bench
@@ -91,7 +92,7 @@ $(LLAMA_STAMP): | $(VENV)/.test
 # llama-cpp-python $(LLAMA_CPP_VERSION) vendors (its sdist), with the instruction-set flags above,
 # statically linked, installed as $(BIN)/llama-server. Not a dependency of `make test`
 # (it takes minutes to build); `make test-all` and `make bench-serve` build it.
-LLAMA_SERVER_STAMP := $(VENV)/.llama-server-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+LLAMA_SERVER_STAMP := $(VENV)/.llama-server-$(LLAMA_CPP_VERSION)-$(call flags_sum,$(LLAMA_CMAKE_ARGS))
 LLAMA_SERVER_BUILD := $(VENV)/build/llama-server
 LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
