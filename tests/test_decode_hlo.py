@@ -125,3 +125,22 @@ def test_quantised_weights_stay_quantised_in_the_loop(tiny, weights):
     assert widened == []
     n_matrices = 7 * cfg.n_layers + 1
     assert body.count(cpu_kernel.TARGET) >= n_matrices
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_long_chunk_dequantises_each_matrix_when_its_layer_runs(tiny, weights):
+    """Past the kernel's rows (here: XLA's ops alone), a prompt chunk multiplies by XLA's
+    dequantise + dot. Each matrix is dequantised when its layer reaches it
+    (`cpu_kernel.after`), so the program's temporaries hold about a layer's f32 weights:
+    XLA:CPU's scheduler had dequantised every layer's first, all live at once."""
+    cfg, params = tiny
+    qp = quantize_params(params, transformer.declare(cfg), weights)
+    matrices = [w for w in jax.tree.leaves(qp.layers, is_leaf=lambda x: hasattr(x, "bits"))
+                if hasattr(w, "bits")]
+    widened = sum(4 * w.k * w.n for w in matrices)
+    tokens = jnp.arange(1, 9, dtype=jnp.int32)[None]
+    with cpu_kernel.xla_only():
+        program = jax.jit(lambda p, t: transformer.hidden(p, t, jnp.arange(8)[None], None, cfg)[0])
+        temp = program.lower(qp, tokens).compile().memory_analysis().temp_size_in_bytes
+    assert cfg.n_layers >= 3
+    assert temp < 1.5 * widened / cfg.n_layers, (temp, widened)
