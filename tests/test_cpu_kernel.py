@@ -105,6 +105,22 @@ def test_rows_do_not_depend_on_the_blocking(bits, offset, impl):
         np.testing.assert_array_equal(np.asarray(f(x[:m], q, s, o)), full[:m], err_msg=f"{m} rows")
 
 
+@pytest.mark.parametrize("impl", ["auto", "avx2"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rows_do_not_depend_on_the_path(bits, offset, impl):
+    """Past `JAXDEC_CPU_PANEL_MIN_M` rows (8) the kernel widens each group's codes once into a
+    panel and runs every row block from it; up to 8 rows, it widens them for every block. The
+    two paths sum in the same order: a prompt chunk's rows are bit for bit the rows of a
+    decode step or a short verification chunk."""
+    x, q, s, o = make(40, 576, 700, bits, offset=offset, seed=6)
+    f = jax.jit(lambda x, q, s, o: ck.qmatmul(x, q, s, o, bits=bits, impl=impl))
+    full = np.asarray(f(x, q, s, o))
+    check(full, x, q, s, o, bits, 32)
+    for m in (1, 5, 8, 9, 13, 25):
+        np.testing.assert_array_equal(np.asarray(f(x[:m], q, s, o)), full[:m], err_msg=f"{m} rows")
+
+
 @pytest.mark.parametrize("impl", ["scalar", "avx2"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("offset", [False, True])

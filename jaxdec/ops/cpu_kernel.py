@@ -90,8 +90,8 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 # multiplies in bf16 tiles, 1.5-2x XLA's f32 GEMM.
 MAX_KERNEL_M = 256
 
-# The same on CPUs with AVX2 and no AVX-512 (`isa()` "avx2": AMD Zen 1-3, Intel client parts),
-# where the kernel has no panel path. Measured with scripts/bench_qmatmul.py on a 2-vCPU AMD
+# The same on CPUs with AVX2 and no AVX-512 (`isa()` "avx2": AMD Zen 1-3, Intel client parts).
+# Measured (before the AVX2 panel path, which widens each group's codes once for all row blocks) with scripts/bench_qmatmul.py on a 2-vCPU AMD
 # EPYC: int8/int4 weights, the kernel is 1.3-2.4x XLA's dequantise + dot at M = 16 (3.6-7x on
 # the 49152-column LM head), ahead or level at M = 32, and from 0.75x to 1.3x at M = 128.
 MAX_AVX2_KERNEL_M = 128

@@ -696,8 +696,9 @@ void avx512_slab_range(const Job& J, int64_t s0, int64_t s1) {
 // The register path of the AVX-512 code at half the width: a chunk is one unit (16 columns, two
 // 8-lane vectors), an M-block up to 6 rows (int4: 4) in 16 ymm registers.  A row's sums are
 // FMAs in k order within a group, then scale and offset per group, whatever its block: they do
-// not depend on M (at any M: there is no panel path; more rows are more M-blocks, each reading
-// the chunk of W again from L1) or on the thread count.
+// not depend on M (more rows are more M-blocks, each widening the chunk of W again from L1; past
+// panel_min_m rows of int8/int4 codes the panel path widens it once, with the same sums) or on
+// the thread count.
 // A last unit short of 16 columns goes to the scalar loop.
 // ---------------------------------------------------------------------------------------------
 
@@ -720,13 +721,31 @@ QMM_TARGET2 QMM_INLINE void load8(const uint8_t* p, __m256* w) {
   }
 }
 
+// y[mr + m, c .. c+16) += acc[m] * scale (+ sum of the group's x * offset): every AVX2 path's
+// epilogue, so that their rows agree bit for bit.
+template <int MB, bool OFF>
+QMM_TARGET2 QMM_INLINE void store_rows_avx2(const Job& J, const __m256 (*acc)[2], int64_t mr, int64_t gi,
+                                            int64_t c, const __m256* s, const __m256* o) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    float* yp = J.y + (mr + m) * J.N + c;
+    const __m256 xs = OFF ? _mm256_set1_ps(J.xsum[(mr + m) * J.G + gi]) : _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      __m256 cur = _mm256_fmadd_ps(acc[m][v], s[v], _mm256_loadu_ps(yp + 8 * v));
+      if (OFF) cur = _mm256_fmadd_ps(xs, o[v], cur);
+      _mm256_storeu_ps(yp + 8 * v, cur);
+    }
+  }
+}
+
 // One group `gi`: `nchunks` whole units from column c0, each for `mblocks` blocks of MB rows of
 // x from m0, accumulated into y (as tile_avx512).
 template <int MB, Fmt F, bool OFF>
 QMM_TARGET2 void tile_avx2(const Job& J, int64_t m0, int64_t mblocks, int64_t c0, int64_t nchunks, int64_t gi) {
   constexpr int R = kRowsPerLoad<F>;
   constexpr int64_t EB = kElemBytes<F>;
-  const int64_t N = J.N, K = J.K, g = J.g, G = J.G;
+  const int64_t N = J.N, K = J.K, g = J.g;
   const int64_t rows = group_rows(J, gi), stride = N * EB;
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const int64_t c = c0 + ch * 16;
@@ -763,18 +782,7 @@ QMM_TARGET2 void tile_avx2(const Job& J, int64_t m0, int64_t mblocks, int64_t c0
             acc[m][1] = _mm256_fmadd_ps(xb, w1[r], acc[m][1]);
           }
       }
-      // y += acc * scale (+ sum(x) * offset).
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        float* yp = J.y + (mr + m) * N + c;
-        const __m256 xs = OFF ? _mm256_set1_ps(J.xsum[(mr + m) * G + gi]) : _mm256_setzero_ps();
-#pragma GCC unroll 2
-        for (int v = 0; v < 2; ++v) {
-          __m256 cur = _mm256_fmadd_ps(acc[m][v], s[v], _mm256_loadu_ps(yp + 8 * v));
-          if (OFF) cur = _mm256_fmadd_ps(xs, o[v], cur);
-          _mm256_storeu_ps(yp + 8 * v, cur);
-        }
-      }
+      store_rows_avx2<MB, OFF>(J, acc, mr, gi, c, s, o);
     }
   }
 }
@@ -801,6 +809,109 @@ Tile2Fn lookup_tile_avx2(Fmt fmt, bool off, int mb) {
   return nullptr;
 }
 
+// ---- AVX2 panel path (more than panel_min_m rows of int8/int4 codes, groups of at most
+// kMaxGroup rows): each group's 16-column unit is widened to f32 once, into an L1 panel, and
+// every M-block of up to 6 rows then runs FMAs from it. The tile path widens the unit again
+// for every M-block (int4: every 4 rows), which made a [64, 576] x [576, 1536] product
+// conversion-bound. The sums are tile_avx2's, in the same order (k within the group, then
+// scale and offset), so a row's result does not depend on which path ran it.
+
+struct alignas(32) Panel2 {
+  float w[kMaxGroup][16];
+};
+
+template <Fmt F>
+QMM_TARGET2 void fill_panel_avx2(const Job& J, int64_t gi, int64_t c, int64_t rows, Panel2& P) {
+  constexpr int R = kRowsPerLoad<F>;
+  constexpr int64_t EB = kElemBytes<F>;
+  const int64_t stride = J.N * EB, pf = prefetch_offset(J, gi);
+  const uint8_t* qp = row_ptr(J, gi * J.g, c);
+  for (int64_t kk = 0; kk < rows; kk += R, qp += stride) {
+    if (QMM_PREFETCH && pf) prefetch_span<16 * EB>(qp + pf);
+    __m256 w0[R], w1[R];
+    load8<F>(qp, w0);
+    load8<F>(qp + 8 * EB, w1);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(&P.w[kk + r][0], w0[r]);
+      _mm256_store_ps(&P.w[kk + r][8], w1[r]);
+    }
+  }
+}
+
+// Rows [mr, mr + MB) of x times the panel (group gi, columns [c, c + 16)), into y.
+template <int MB, bool OFF>
+QMM_TARGET2 void panel_block_avx2(const Job& J, const Panel2& P, int64_t mr, int64_t gi, int64_t c,
+                                  int64_t rows, const __m256* s, const __m256* o) {
+  const int64_t K = J.K;
+  __m256 acc[MB][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const float* xp = J.x + mr * K + gi * J.g;
+  for (int64_t k = 0; k < rows; ++k) {
+    const __m256 w0 = _mm256_load_ps(&P.w[k][0]);
+    const __m256 w1 = _mm256_load_ps(&P.w[k][8]);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xp + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  store_rows_avx2<MB, OFF>(J, acc, mr, gi, c, s, o);
+}
+
+using Panel2Fn = void (*)(const Job&, const Panel2&, int64_t, int64_t, int64_t, int64_t, const __m256*,
+                          const __m256*);
+
+Panel2Fn lookup_panel_avx2(bool off, int mb) {
+  static constexpr Panel2Fn with_off[6] = {panel_block_avx2<1, true>, panel_block_avx2<2, true>,
+                                           panel_block_avx2<3, true>, panel_block_avx2<4, true>,
+                                           panel_block_avx2<5, true>, panel_block_avx2<6, true>};
+  static constexpr Panel2Fn no_off[6] = {panel_block_avx2<1, false>, panel_block_avx2<2, false>,
+                                         panel_block_avx2<3, false>, panel_block_avx2<4, false>,
+                                         panel_block_avx2<5, false>, panel_block_avx2<6, false>};
+  return off ? with_off[mb - 1] : no_off[mb - 1];
+}
+
+inline bool avx2_panel(const Job& J) {
+  return J.M > g_panel_min_m.load(std::memory_order_relaxed) && (J.fmt == kInt8 || J.fmt == kInt4) &&
+         J.g <= kMaxGroup;
+}
+
+// Columns [16*u0, 16*u1) of y, all whole units, on the panel path: bands of columns, the groups
+// in order within a band, the rows in balanced blocks of up to 6 (as avx2_units).
+QMM_TARGET2 void avx2_panel_units(const Job& J, int64_t u0, int64_t u1) {
+  thread_local Panel2* P = nullptr;
+  if (!P) P = static_cast<Panel2*>(std::aligned_alloc(32, sizeof(Panel2)));
+  const int64_t N = J.N;
+  for (int64_t m = 0; m < J.M; ++m) std::memset(J.y + m * N + u0 * 16, 0, sizeof(float) * (u1 - u0) * 16);
+  const bool off = J.off != nullptr;
+  const int64_t nb = (J.M + 5) / 6, base = J.M / nb, extra = J.M % nb;
+  const Panel2Fn big = lookup_panel_avx2(off, static_cast<int>(base + (extra ? 1 : 0)));
+  const Panel2Fn small = lookup_panel_avx2(off, static_cast<int>(base));
+  const auto fill = J.fmt == kInt4 ? fill_panel_avx2<kInt4> : fill_panel_avx2<kInt8>;
+  for (int64_t ub = u0; ub < u1; ub += band_units(J)) {
+    const int64_t ue = std::min(ub + band_units(J), u1);
+    for (int64_t gi = 0; gi < J.G; ++gi) {
+      const int64_t rows = group_rows(J, gi);
+      for (int64_t u = ub; u < ue; ++u) {
+        const int64_t c = u * 16;
+        __m256 s[2], o[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v) {
+          s[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(J.scale + gi * N + c + 8 * v)));
+          o[v] = off ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(J.off + gi * N + c + 8 * v)))
+                     : _mm256_setzero_ps();
+        }
+        fill(J, gi, c, rows, *P);
+        for (int64_t b = 0; b < extra; ++b) big(J, *P, b * (base + 1), gi, c, rows, s, o);
+        for (int64_t b = extra; b < nb; ++b) small(J, *P, extra * (base + 1) + (b - extra) * base, gi, c, rows, s, o);
+      }
+    }
+  }
+}
+
 // Columns [16*u0, 16*u1) of y, all whole units: bands of columns, the groups in order within a
 // band (as avx512_range), the rows in balanced M-blocks.
 void avx2_units(const Job& J, int64_t u0, int64_t u1) {
@@ -825,7 +936,12 @@ void avx2_range(const Job& J, int64_t u0, int64_t u1) {
     scalar_range(J, u1 - 1, u1);
     --u1;
   }
-  if (u0 < u1) avx2_units(J, u0, u1);
+  if (u0 >= u1) return;
+  if (avx2_panel(J)) {
+    avx2_panel_units(J, u0, u1);
+  } else {
+    avx2_units(J, u0, u1);
+  }
 }
 
 bool cpu_has_avx2() {
