@@ -91,9 +91,12 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-fno-math-errno")
 MAX_KERNEL_M = 256
 
 # The same on CPUs with AVX2 and no AVX-512 (`isa()` "avx2": AMD Zen 1-3, Intel client parts).
-# Measured (before the AVX2 panel path, which widens each group's codes once for all row blocks) with scripts/bench_qmatmul.py on a 2-vCPU AMD
-# EPYC: int8/int4 weights, the kernel is 1.3-2.4x XLA's dequantise + dot at M = 16 (3.6-7x on
-# the 49152-column LM head), ahead or level at M = 32, and from 0.75x to 1.3x at M = 128.
+# Measured with scripts/bench_qmatmul.py on a 2-vCPU AMD EPYC, before the AVX2 panel path:
+# int8/int4 weights, the kernel is 1.3-2.4x XLA's dequantise + dot at M = 16 (3.6-7x on the
+# 49152-column LM head), ahead or level at M = 32, and from 0.75x to 1.3x at M = 128. With the
+# panel path and `after`, engine prompt chunks [1, 32] and [1, 64] took the same time through
+# the kernel as through XLA (within the host's noise), so the limit stays: below it a chunk's
+# rows are a decode step's bit for bit.
 MAX_AVX2_KERNEL_M = 128
 
 # The same where the kernel runs its portable scalar loops (`isa()` "scalar": x86 without
