@@ -721,6 +721,15 @@ QMM_TARGET2 QMM_INLINE void load8(const uint8_t* p, __m256* w) {
   }
 }
 
+// One stored row of a 16-column unit widened to f32 (w0: columns 0-7, w1: 8-15; int4 gives two
+// rows each), after prefetching `pf` bytes ahead (0: none): how every AVX2 path reads codes.
+template <Fmt F>
+QMM_TARGET2 QMM_INLINE void load_unit(const uint8_t* qp, int64_t pf, __m256* w0, __m256* w1) {
+  if (QMM_PREFETCH && pf) prefetch_span<16 * kElemBytes<F>>(qp + pf);
+  load8<F>(qp, w0);
+  load8<F>(qp + 8 * kElemBytes<F>, w1);
+}
+
 // y[mr + m, c .. c+16) += acc[m] * scale (+ sum of the group's x * offset): every AVX2 path's
 // epilogue, so that their rows agree bit for bit.
 template <int MB, bool OFF>
@@ -769,10 +778,8 @@ QMM_TARGET2 void tile_avx2(const Job& J, int64_t m0, int64_t mblocks, int64_t c0
       const uint8_t* qp = row_ptr(J, gi * g, c);
       const int64_t pf = mb != 0 ? 0 : prefetch_offset(J, gi);  // (as tile_avx512)
       for (int64_t kk = 0; kk < rows; kk += R, qp += stride) {
-        if (QMM_PREFETCH && pf) prefetch_span<16 * EB>(qp + pf);
         __m256 w0[R], w1[R];
-        load8<F>(qp, w0);
-        load8<F>(qp + 8 * EB, w1);
+        load_unit<F>(qp, pf, w0, w1);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 2
@@ -827,10 +834,8 @@ QMM_TARGET2 void fill_panel_avx2(const Job& J, int64_t gi, int64_t c, int64_t ro
   const int64_t stride = J.N * EB, pf = prefetch_offset(J, gi);
   const uint8_t* qp = row_ptr(J, gi * J.g, c);
   for (int64_t kk = 0; kk < rows; kk += R, qp += stride) {
-    if (QMM_PREFETCH && pf) prefetch_span<16 * EB>(qp + pf);
     __m256 w0[R], w1[R];
-    load8<F>(qp, w0);
-    load8<F>(qp + 8 * EB, w1);
+    load_unit<F>(qp, pf, w0, w1);
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
       _mm256_store_ps(&P.w[kk + r][0], w0[r]);
