@@ -44,7 +44,8 @@ def _random_texts(rng: np.random.Generator, n: int) -> list[str]:
     pieces = [" ", "  ", "   ", "\n", "\n\n", "\t", " \n", "\r\n", "7", "42", "3.14", "é", "e\u0301",
               "中文", "👍🏽", "🇫🇷", "<start_of_turn>", "<end_of_turn>", "<bos>", "▁", "<0x41>",
               "Hello", " world", "def", "(x):", "ſ"]
-    chars = [c for c in range(1, 0x2FFFF) if not 0xD800 <= c < 0xE000]
+    chars = np.arange(1, 0x2FFFF)
+    chars = chars[(chars < 0xD800) | (chars >= 0xE000)]  # (an array: rng.choice copies a list each call)
 
     def piece():
         return str(rng.choice(pieces)) if rng.random() < 0.6 else chr(int(rng.choice(chars)))
