@@ -80,12 +80,24 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.test $(LLAMA_STAMP)
 	$(BIN)/python -c "from llama_cpp import Llama"
 	touch $@
 
-# one build per version and instruction-set choice (a VM moved to another CPU rebuilds)
-$(LLAMA_STAMP): | $(VENV)/.test
+LLAMA_WHEEL_DIR := $(VENV)/wheels/llama-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
+
+# one build per version and instruction-set choice (a VM moved to another CPU rebuilds). The
+# wheel is built apart from the venv (pip wheel touches nothing installed), so under `make -j2`
+# (.ci/run) its 7 minutes of compiling overlap the other installs and the model downloads.
+$(LLAMA_WHEEL_DIR)/.built: | $(BIN)/python
+	rm -rf $(LLAMA_WHEEL_DIR)
+	CMAKE_ARGS="$(LLAMA_PY_CMAKE_ARGS)" $(BIN)/python -m pip wheel --quiet --no-cache-dir --no-deps \
+		"llama-cpp-python==$(LLAMA_CPP_VERSION)" -w $(LLAMA_WHEEL_DIR)
+	touch $@
+
+# (the wheel is a prerequisite only while llama-cpp-python is not installed: a venv that has it
+# never rebuilds it)
+$(LLAMA_STAMP): | $(VENV)/.test $(if $(wildcard $(LLAMA_STAMP)),,$(LLAMA_WHEEL_DIR)/.built)
 	$(BIN)/python -m pip install --quiet "typing-extensions>=4.5.0" "numpy>=1.20.0" \
 		"diskcache>=5.6.1" "jinja2>=2.11.3"
-	CMAKE_ARGS="$(LLAMA_PY_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir \
-		--force-reinstall --no-deps "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
+		$(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	touch $@
 
 # llama.cpp's own HTTP server, the peer of `jaxdec bench serve`: built from the sources that
