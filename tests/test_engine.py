@@ -184,6 +184,29 @@ def test_a_warm_engine_compiles_nothing_new(tiny):
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+def test_compiling_past_the_hosts_memory_maps_is_a_clear_error(tiny, monkeypatch):
+    """XLA:CPU maps each compiled kernel apart, and its JIT dies once the process holds
+    vm.max_map_count maps. With the limit just above what the process holds now, the
+    engine compiles shapes until its maps pass 90% of the limit, then refuses the next
+    with a one-line error; with the real limit back, the same engine compiles the rest."""
+    from jaxdec.engine import engine as engine_module
+
+    real = engine_module.memory_maps
+    used, limit = real()
+    with open("/proc/self/maps", "rb") as f:
+        assert 0 < used < limit and abs(used - sum(1 for _ in f)) < 50
+    engine = Engine(tiny, max_num_seqs=1, max_num_batched_tokens=8, page_size=8, max_model_len=64)
+    # (four shapes, and a limit whose 90% the first compiled shape's maps pass: a step of
+    # even this tiny model holds about 300, a thread of warmup's pool two, and the pool's
+    # two threads may both start before either has compiled)
+    fake = int((real()[0] + 8) / engine_module.MAP_SHARE)
+    monkeypatch.setattr(engine_module, "memory_maps", lambda: (real()[0], fake))
+    assert_one_line_error(engine.warmup, match="memory maps .*vm.max_map_count.*--max-num-seqs")
+    assert 0 < len(engine._steps) < len(engine.shapes()) and real()[0] > 0.9 * fake
+    monkeypatch.setattr(engine_module, "memory_maps", real)
+    assert engine.warmup() == len(engine._steps) == len(engine.shapes())
+
+
 def pages_but_scratch(engine) -> list[np.ndarray]:
     """Every pool's pages but the scratch page (the last along the page axis), on the host."""
     return [np.asarray(x)[:, :engine.scratch] for pool in engine.pools if pool is not None

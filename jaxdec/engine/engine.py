@@ -80,6 +80,24 @@ def _fit(n: int, sizes: list[int]) -> int:
     return next(x for x in sizes if x >= n)
 
 
+MAP_SHARE = 0.9  # of vm.max_map_count that compiled steps may fill before the engine refuses more
+
+
+def memory_maps() -> tuple[int, int]:
+    """(memory maps this process holds, the kernel's limit vm.max_map_count); (0, 0) where
+    /proc does not tell. XLA:CPU maps each compiled kernel's code and data apart: one step
+    shape of SmolLM2 holds 340-600 maps, so some hundred shapes reach Linux's default limit
+    of 65530, where the JIT's next mmap fails ("LLVM compilation error: Cannot allocate
+    memory") and the process dies."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return used, int(f.read())
+    except (OSError, ValueError):
+        return 0, 0
+
+
 def _reached(sizes: list[int], most: int) -> list[int]:
     """The compiled sizes (ascending) that some n in [1, most] fits into."""
     return [x for i, x in enumerate(sizes) if (sizes[i - 1] + 1 if i else 1) <= most]
@@ -422,6 +440,12 @@ class Engine:
         life (its `len(engine._steps)` shapes are all it ever compiles)."""
         step = self._steps.get((b, c, p))
         if step is None:
+            used, limit = memory_maps()
+            if used > MAP_SHARE * limit > 0:
+                raise JaxdecError(
+                    f"the {len(self._steps)} step shapes compiled so far hold {used} of this host's {limit} "
+                    f"memory maps (vm.max_map_count), and XLA's JIT crashes past it: lower --max-num-seqs "
+                    f"or --max-model-len ({len(self.shapes())} step shapes now), or raise vm.max_map_count")
             step = exec_cache.compiled(run_rows, *args, cfg=self.cfg) or run_rows.lower(*args, cfg=self.cfg).compile()
             self._steps[b, c, p] = step
         return step
