@@ -185,6 +185,18 @@ def compiled(fn, *args, **static) -> jax.stages.Compiled | None:
     return exe
 
 
+def stored(fn, *args, **static) -> bool:
+    """Whether `compiled` would find this executable loaded or on disk (no compile)."""
+    key = None if _dir is None else _key(fn, args, static)
+    if key is None:
+        return False
+    digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+    with _lock:
+        if digest in _loaded:
+            return True
+    return _path(digest).is_file()
+
+
 def _take_prefetched(digest: str, key: str) -> jax.stages.Compiled | None:
     """The prefetched executable of `digest` if it was stored under `key` (waiting for the
     prefetch when it has yet to reach it)."""

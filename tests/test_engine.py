@@ -207,6 +207,40 @@ def test_compiling_past_the_hosts_memory_maps_is_a_clear_error(tiny, monkeypatch
     assert engine.warmup() == len(engine._steps) == len(engine.shapes())
 
 
+def test_a_deferred_warmup_loads_the_wider_shapes_while_idle(tiny, tmp_path):
+    """With every shape stored in jaxdec's executable cache, `warmup(defer=True)` loads
+    only the narrowest table width's shapes; a request that needs a wider table loads its
+    shape when it runs, `prime` loads the rest, nothing compiles, and the tokens are those
+    of an engine that loaded everything."""
+    from jaxdec import exec_cache
+
+    kw = dict(max_num_seqs=1, max_num_batched_tokens=8, page_size=8, max_model_len=64)
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 256, int(rng.integers(30, 40))).tolist()  # (a table of 8 pages)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=int(rng.integers(1 << 40)))
+    exec_cache.disable()
+    exec_cache.stats.clear()
+    exec_cache.enable(tmp_path / "exec")
+    try:
+        full = Engine(tiny, **kw)
+        assert full.warmup(defer=True) == len(full.shapes()) == 4  # (nothing stored yet: all compile)
+        want = [t for o in full.stream(full.add_request(prompt, params)) for t in o.token_ids]
+        exec_cache.disable()  # (as a new process: nothing loaded)
+        exec_cache.enable(tmp_path / "exec")
+        engine = Engine(tiny, **kw)
+        narrow = min(p for *_, p in engine.shapes())
+        assert engine.warmup(defer=True) == len(engine._steps) == 2
+        assert {p for *_, p in engine._steps} == {narrow} and set(engine.unprimed()) == set(engine.shapes())
+        got = [t for o in engine.stream(engine.add_request(prompt, params)) for t in o.token_ids]
+        assert got == want and len(engine._steps) > 2
+        for shape in engine.unprimed():
+            engine.prime(shape)
+        assert engine.unprimed() == [] and set(engine._steps) == set(engine.shapes())
+        assert exec_cache.stats["compiled"] == 4 and exec_cache.stats["disk"] == 4
+    finally:
+        exec_cache.disable()
+
+
 def pages_but_scratch(engine) -> list[np.ndarray]:
     """Every pool's pages but the scratch page (the last along the page axis), on the host."""
     return [np.asarray(x)[:, :engine.scratch] for pool in engine.pools if pool is not None

@@ -166,6 +166,7 @@ class Engine:
         self._rng = np.random.default_rng(seed)
         self._steps = {}  # (rows, chunk, table width) -> the step's executable
         self._ran: set[tuple[int, int, int]] = set()  # the shapes that have run (`prime`)
+        self._deferred: set[tuple[int, int, int]] = set()  # stored shapes to load while idle
         self._next_id = 0
         self.last_step = dict(decode_rows=0, prefill_rows=0, tokens=0)  # what the last step ran
         self.counters = dict(steps=0, preemptions=0, prefix_hit_tokens=0, prefix_query_tokens=0,
@@ -408,22 +409,37 @@ class Engine:
             smaller = c
         return shapes
 
-    def warmup(self) -> int:
+    def warmup(self, *, defer: bool = False) -> int:
         """Compile every step shape now, or load it from jaxdec's executable cache when
-        that is on (nothing runs) -> how many shapes; afterwards no prompt, length or
-        setting compiles anything."""
+        that is on (nothing runs) -> how many shapes it compiled or loaded; afterwards no
+        prompt, length or setting compiles anything.
+
+        defer=True: of the shapes stored in the executable cache, load only those over
+        the narrowest table width (a fresh server's first requests), and leave the rest to
+        `prime`, which loads them while the engine is idle (a request that needs one
+        first loads it then, ~1-2 s on two cores, instead of a compile). Loading all 59
+        shapes of SmolLM2 at 16 rows took 73 s on a 2-vCPU AMD host."""
         shapes = self.shapes()
-        # on threads: loading an executable (~0.3 s on 2 cores) runs outside the GIL, so two
-        # load in about half the time (65 shapes: 11.4 s against 20.9 s); compiles take
-        # exec_cache's lock and run one at a time
+        if defer:
+            narrow = min(p for _, _, p in shapes)
+            later = {s for s in shapes if s[2] != narrow and s not in self._steps
+                     and exec_cache.stored(run_rows, *self._inputs([], *s)[0], cfg=self.cfg)}
+            # (narrow first: a process loads in the order the last one used, `exec_cache.prefetch`)
+            shapes = sorted((s for s in shapes if s not in later), key=lambda s: s[2] != narrow)
+            self._deferred |= later
+        # on threads: loading an executable (0.2-2.4 s on 2 cores, growing with its size)
+        # runs outside the GIL, so two load in about half the time (65 shapes on an Intel
+        # host: 11.4 s against 20.9 s); compiles take exec_cache's lock and run one at a time
         with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda s: self._executable(*s, self._inputs([], *s)[0]), shapes))
         return len(shapes)
 
     def unprimed(self) -> list[tuple[int, int, int]]:
-        """The step shapes compiled (or loaded) that have not run yet, cheapest first
-        (`prime` runs them; a shape never compiled is not compiled for this)."""
-        return sorted((s for s in self._steps if s not in self._ran), key=lambda s: (s[0] * s[1] * s[2], s))
+        """The step shapes compiled, loaded or deferred (`warmup(defer=True)`) that have not
+        run yet, cheapest first (`prime` runs them; a shape that is none of these is not
+        compiled for this)."""
+        return sorted((s for s in set(self._steps) | self._deferred if s not in self._ran),
+                      key=lambda s: (s[0] * s[1] * s[2], s))
 
     def prime(self, shape: tuple[int, int, int]) -> float:
         """Run one step of `shape` on padding rows alone -> its seconds. Padding rows read
