@@ -14,7 +14,9 @@ demo: $(VENV)/.demo
 
 # The tests need llama.cpp too (k-quant blocks are checked against its quantiser, and it must
 # load and run the GGUF files jaxdec writes): the `bench` target builds it (~7 min, once).
-test: $(VENV)/.test $(VENV)/.bench models corpora
+# (the installs run as a -j2 sub-make: llama-cpp-python's wheel compiles while the others run)
+test:
+	$(MAKE) -j2 $(VENV)/.test $(VENV)/.bench models corpora
 	$(BIN)/python -m pytest --durations=40
 
 # Everything, the tests in tests/slow.txt and the other -m slow checks included (about 90
@@ -83,8 +85,8 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.test $(LLAMA_STAMP)
 LLAMA_WHEEL_DIR := $(VENV)/wheels/llama-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAGS_SUM)
 
 # one build per version and instruction-set choice (a VM moved to another CPU rebuilds). The
-# wheel is built apart from the venv (pip wheel touches nothing installed), so under `make -j2`
-# (.ci/run) its 7 minutes of compiling overlap the other installs and the model downloads.
+# wheel is built apart from the venv (pip wheel touches nothing installed), so under `make test`'s
+# -j2 sub-make its 7 minutes of compiling overlap the other installs and the model downloads.
 $(LLAMA_WHEEL_DIR)/.built: | $(BIN)/python
 	rm -rf $(LLAMA_WHEEL_DIR)
 	CMAKE_ARGS="$(LLAMA_PY_CMAKE_ARGS)" $(BIN)/python -m pip wheel --quiet --no-cache-dir --no-deps \
