@@ -164,7 +164,7 @@ def compiled(fn, *args, **static) -> jax.stages.Compiled | None:
     key = _key(fn, args, static)
     if key is None:  # a static argument without a stable repr: let jit key it
         return None
-    digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+    digest = _digest(key)
     with _lock:
         exe = _loaded.get(digest)
     if exe is not None:
@@ -190,11 +190,15 @@ def stored(fn, *args, **static) -> bool:
     key = None if _dir is None else _key(fn, args, static)
     if key is None:
         return False
-    digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+    digest = _digest(key)
     with _lock:
         if digest in _loaded:
             return True
     return _path(digest).is_file()
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 def _take_prefetched(digest: str, key: str) -> jax.stages.Compiled | None:
