@@ -3,6 +3,7 @@ prefill batches, on random tokens over a filled table, median of `--reps` runs e
 
     python scripts/engine_steps.py --model smollm2 --max-num-seqs 16 --context 1024
     python scripts/engine_steps.py --first-calls [--cache DIR]   # what each shape's first call costs
+    python scripts/engine_steps.py --maps [--cache DIR]          # each shape's load time and memory maps
 
 `--first-calls` times, for every shape the engine can run (`Engine.shapes()`), its first
 call after it was compiled (or loaded from jaxdec's executable cache, `--cache`) and a second
@@ -68,6 +69,20 @@ def first_calls(engine: Engine, rng: np.random.Generator) -> None:
           f"(the first calls' extra: {(total[0] - total[1]) / 1000:.1f} s)")
 
 
+def maps(engine: Engine) -> None:
+    """Each shape compiled (or loaded from `--cache`) one at a time: its seconds and the memory
+    maps it added (XLA:CPU's JIT; the process dies at vm.max_map_count)."""
+    from jaxdec.engine.engine import memory_maps
+
+    start, limit = memory_maps()
+    for s in engine.shapes():
+        before, t = memory_maps()[0], time.perf_counter()
+        engine._executable(*s, engine._inputs([], *s)[0])
+        print(f"  {list(s[:2])} over {s[2]} pages: {time.perf_counter() - t:.2f} s, "
+              f"+{memory_maps()[0] - before} maps", flush=True)
+    print(f"{len(engine.shapes())} shapes: +{memory_maps()[0] - start} maps, {memory_maps()[0]} of {limit}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -76,6 +91,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="--max-model-len")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--first-calls", action="store_true", help="each shape's first call against its second")
+    ap.add_argument("--maps", action="store_true", help="each shape's compile or load time and memory maps")
     ap.add_argument("--cache", help="jaxdec's executable cache (as `jaxdec serve` keeps it)")
     args = ap.parse_args()
     if args.cache:
@@ -85,6 +101,8 @@ def main() -> None:
     rng = np.random.default_rng()
     if args.first_calls:
         return first_calls(engine, rng)
+    if args.maps:
+        return maps(engine)
     widths = engine.sizes["pages"]
     p = widths[min(1, len(widths) - 1)]  # (a short context has one width)
     rows = engine.sizes["decode_rows"]
