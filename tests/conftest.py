@@ -81,9 +81,14 @@ def jax_model(name: str, dtype: str = "float32"):
     return jaxdec.load(name, dtype=dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def hf_model(name: str, dtype: str = "float32"):
-    """HF transformers' PyTorch model, loaded from the same GGUF file."""
+    """HF transformers' PyTorch model, loaded from the same GGUF file: once a test module
+    for each name and dtype (`hf_model(n)` and `hf_model(n, "float32")` are one load, ~40 s)."""
+    return _hf_model(name, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(name: str, dtype: str):
     import torch
     import transformers
 
@@ -116,7 +121,7 @@ def _release_compiled_code():
     import jax
 
     jax.clear_caches()
-    hf_model.cache_clear()
+    _hf_model.cache_clear()
     gc.collect()
 
 
