@@ -184,6 +184,10 @@ def _serve_parser(sub) -> None:
                    help="seconds per output token that the sla policy keeps decoding under (default 0.1)")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV pages of shared prompt prefixes")
+    s.add_argument("--num-kv-pages", type=int, default=None, metavar="N",
+                   help="pages of 32 tokens in the KV pool, shared by every request (default: "
+                   "every row at --max-model-len, within 1 GiB); fewer, and memory rather than "
+                   "--max-num-seqs bounds the requests running at once")
 
 
 def _bench_serve_parser(sub) -> None:
@@ -207,6 +211,10 @@ def _bench_serve_parser(sub) -> None:
                    help="seconds per output token (default 0.1); the sla policy's target too")
     s.add_argument("--context", type=int, default=1024, help="tokens per request: jaxdec's "
                    "--max-model-len, llama.cpp's context per slot")
+    s.add_argument("--num-kv-pages", type=int, default=None, metavar="N",
+                   help="jaxdec's --num-kv-pages (default: a pool with room for every row): fewer, "
+                   "and memory bounds the running batch, the case sla's admission by predicted KV "
+                   "is for. llama.cpp keeps --context per slot")
     s.add_argument("--seed", type=int, default=0, help="which prompts and arrivals")
     s.add_argument("--llama-server", default=None, metavar="PATH",
                    help="the llama-server binary (default: beside this Python, then PATH)")

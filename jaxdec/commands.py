@@ -429,7 +429,7 @@ def _bench_serve(args) -> int:
     rounds = base.rounds if args.rounds is None else args.rounds
     for flag, value in (("--requests", requests), ("--rounds", rounds), ("--max-num-seqs", args.max_num_seqs),
                         ("--context", args.context), ("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo),
-                        ("--llama-threads", threads)):
+                        ("--llama-threads", threads), ("--num-kv-pages", 1 if args.num_kv_pages is None else args.num_kv_pages)):
         if not value > 0:
             raise JaxdecError(f"{flag} must be positive (got {value})")
     binary = serve_bench.find_llama_server(args.llama_server) if serve_bench.LLAMA_CPP in systems else None
@@ -437,8 +437,8 @@ def _bench_serve(args) -> int:
         model=args.model, systems=systems, rates=tuple(sorted(set(rates))), requests=requests,
         max_num_seqs=args.max_num_seqs, static_seqs=tuple(sorted(set(seqs))),
         clients=tuple(sorted(set(_numbers("--clients", args.clients)))), ttft_slo=args.ttft_slo,
-        tpot_slo=args.tpot_slo, context=args.context, seed=args.seed, llama_server=binary,
-        threads=threads, rounds=rounds)
+        tpot_slo=args.tpot_slo, context=args.context, num_kv_pages=args.num_kv_pages, seed=args.seed,
+        llama_server=binary, threads=threads, rounds=rounds)
     serve_bench.gguf_path(settings.model)  # (a model neither server can load: refused now)
     return serve_bench.main(settings, args.json, args.plot)
 
@@ -452,12 +452,14 @@ def serve(args) -> int:
     from jaxdec.serve import app as serve_app, server  # (FastAPI and uvicorn: only here)
 
     policy = policies.make(args.policy, tpot_slo=args.tpot_slo)  # (bad flags fail before the model loads)
+    if args.num_kv_pages is not None and args.num_kv_pages < 1:
+        raise JaxdecError(f"--num-kv-pages must be positive (got {args.num_kv_pages})")
     sock = server.listen(args.host, args.port)  # (as does a taken port)
     _prefetch_programs("serve", args, limit=64)  # (every step shape the engine warms up)
     model = _load(args)  # (--kv-cache picks the engine's page pool; it refuses kinds it lacks)
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens, policy=policy,
-                    enable_prefix_caching=not args.no_prefix_caching)
+                    num_pages=args.num_kv_pages, enable_prefix_caching=not args.no_prefix_caching)
     start = time.perf_counter()
     shapes = engine.warmup(defer=True)  # (stored shapes past the narrowest width load while idle)
     later = len(engine.unprimed()) - shapes

@@ -374,6 +374,7 @@ def test_requests_that_can_never_run_are_refused_at_once(tiny):
         with pytest.raises(JaxdecError, match=match):
             SamplingParams(**bad)
     assert_one_line_error(Engine, tiny, max_num_seqs=0, match="max_num_seqs")
+    assert_one_line_error(Engine, tiny, num_pages=0, match="num_pages")
     assert_one_line_error(Engine, tiny, policy="lifo", match="unknown scheduling policy")
     assert engine.waiting[0].id == rid and engine.stats()["waiting"] == 1
 

@@ -495,6 +495,7 @@ def _cli(*args, timeout=120):
     (["--policy", "lottery"], "--policy"),
     (["--port", "70000"], "--port"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--num-kv-pages", "0"], "--num-kv-pages"),
 ])
 def test_bad_serve_flags_are_one_line_errors(flags, needle):
     r = _cli(*flags)
@@ -508,12 +509,14 @@ def test_the_cli_serves_a_chat_completion():
     port = serve_server.free_port()
     env = dict(os.environ, JAXDEC_XLA_CACHE=os.environ.get("JAXDEC_XLA_CACHE", ""))
     proc = subprocess.Popen([sys.executable, "-m", "jaxdec", "serve", "--model", "smollm2", "--port",
-                             str(port)], stderr=subprocess.PIPE, text=True, env=env)
+                             str(port), "--num-kv-pages", "40"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines = iter(proc.stderr.readline, "")
         ready = next((line for line in lines if "ready on" in line), "the server exited")
         assert f"ready on http://127.0.0.1:{port}/v1" in ready, ready
         assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        pool = stats(f"http://127.0.0.1:{port}")
+        assert (pool["jaxdec:kv_pages_used"], pool["jaxdec:kv_pages_free"]) == (0, 40)  # (--num-kv-pages)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, temperature=0)
         assert r.choices[0].message.content and r.usage.completion_tokens <= 8

@@ -245,6 +245,17 @@ def test_sla_over_the_best_fixed_limit():
     assert serve_bench.sla_vs_static(results, {**caps, "fcfs": None, "fcfs seqs=4": None})["ratio"] is None
 
 
+def test_num_kv_pages_reaches_each_jaxdec_server_and_not_llama_cpp():
+    s = serve_bench.Settings(systems=("sla", "llama.cpp"), static_seqs=(4,), num_kv_pages=48,
+                             llama_server="/bin/llama-server")
+    argv = {system.name: system.argv(s, "m.gguf", 1234) for system in serve_bench.systems(s)}
+    assert set(argv) == {"sla", "llama.cpp", "fcfs seqs=4"}
+    for name in ("sla", "fcfs seqs=4"):
+        assert argv[name][argv[name].index("--num-kv-pages") + 1] == "48"
+    assert "--num-kv-pages" not in argv["llama.cpp"]
+    assert "--num-kv-pages" not in serve_bench.systems(serve_bench.Settings())[0].argv(serve_bench.Settings(), "m", 1)
+
+
 def test_llama_server_missing_is_one_line():
     assert_one_line_error(serve_bench.find_llama_server, "/nonexistent/llama-server", match="make llama-server")
 
@@ -259,7 +270,8 @@ def test_cli_bench_keeps_its_flags_and_takes_serve():
 
 
 @pytest.mark.parametrize("flags, word", [(["--rounds", "0"], "--rounds"), (["--requests", "-2"], "--requests"),
-                                         (["--rates", "1,x"], "--rates"), (["--systems", "vllm"], "--systems")])
+                                         (["--rates", "1,x"], "--rates"), (["--systems", "vllm"], "--systems"),
+                                         (["--num-kv-pages", "0"], "--num-kv-pages")])
 def test_bench_serve_rejects_bad_flags(flags, word, capsys):
     from jaxdec.cli import main
 

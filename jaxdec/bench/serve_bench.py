@@ -53,6 +53,7 @@ class Settings:
     ttft_slo: float = 2.0                 # s
     tpot_slo: float = 0.1                 # s per output token (also the sla policy's target)
     context: int = 1024                   # tokens per request / slot
+    num_kv_pages: int | None = None       # jaxdec's KV pool (None: room for every row)
     seed: int = 0
     llama_server: str | None = None       # the binary (needed when llama.cpp is a system)
     threads: int = os.cpu_count() or 1    # llama-server's -t
@@ -76,6 +77,8 @@ class System:
         argv = [sys.executable, "-m", "jaxdec", "serve", "--model", s.model, "--weights", "gguf",
                 "--host", HOST, "--port", str(port), "--policy", self.policy,
                 "--max-num-seqs", str(n), "--max-model-len", str(s.context)]
+        if s.num_kv_pages is not None:
+            argv += ["--num-kv-pages", str(s.num_kv_pages)]
         return argv + (["--tpot-slo", str(s.tpot_slo)] if self.policy == "sla" else [])
 
 

@@ -129,7 +129,8 @@ class Engine:
                               "use jaxdec.generate")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("page_size", page_size), ("max_prefill_seqs", max_prefill_seqs),
-                            ("max_chunk", 1 if max_chunk is None else max_chunk)):
+                            ("max_chunk", 1 if max_chunk is None else max_chunk),
+                            ("num_pages", 1 if num_pages is None else num_pages)):
             if not isinstance(value, int) or value < 1:
                 raise JaxdecError(f"{name} must be a positive integer (got {value!r})")
         self.model, self.cfg = model, cfg
