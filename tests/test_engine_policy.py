@@ -11,6 +11,7 @@ the schedule it promises.
 from __future__ import annotations
 
 import math
+import time
 import types
 
 import numpy as np
@@ -124,6 +125,41 @@ def test_the_sla_bound_follows_the_papers_feedback_rule():
     for _ in range(8):
         p.observe(engine, slo * 0.1, [])
     assert p.b_sla == 16
+
+
+def test_the_engine_times_the_decode_batch_apart_and_marks_first_calls(tiny):
+    """The SLA feedback's input: a mixed step's prompt chunks are not the decode latency the
+    batch bound controls, and a shape's first call costs more than its later ones."""
+    engine = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=48, page_size=16, max_model_len=128)
+    rng = np.random.default_rng()
+    prompt = lambda: rng.integers(0, 256, int(rng.integers(20, 30))).tolist()
+    engine.add_request(prompt(), SamplingParams(max_tokens=8, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        if len(steps) == 3:
+            engine.add_request(prompt(), SamplingParams(max_tokens=4, ignore_eos=True))
+        start = time.perf_counter()
+        engine.step()
+        steps.append((dict(engine.last_step), time.perf_counter() - start))
+    for step, total in steps:
+        assert (step["decode_seconds"] > 0) == (step["decode_rows"] > 0), step
+        assert step["decode_seconds"] < total, (step, total)
+    kinds = [(s["decode_rows"], s["prefill_rows"]) for s, _ in steps]
+    firsts = [s["first_call"] for s, _ in steps]
+    assert kinds[:4] == [(0, 1), (1, 0), (1, 0), (1, 1)], kinds  # (the fourth step mixes)
+    assert firsts[:3] == [True, True, False], firsts  # (a prefill shape, a decode shape, the same)
+    assert firsts[4:].count(True) == 1  # (two decode rows: one new shape, once)
+
+
+def test_the_sla_feedback_skips_first_calls_and_reads_the_decode_batch():
+    p = policies.SLA(tpot_slo=0.05)
+    engine = fake_engine(4, 2)
+    engine.last_step = dict(decode_rows=4, prefill_rows=0, decode_seconds=0.5, first_call=True)
+    p.observe(engine, 0.6, [])
+    assert p.itl is None
+    engine.last_step = dict(decode_rows=4, prefill_rows=1, decode_seconds=0.02, first_call=False)
+    p.observe(engine, 0.9, [])  # (a mixed step of 0.9 s, its decode batch 0.02 s)
+    assert p.itl == 0.02
 
 
 def test_the_sla_prediction_is_the_average_finished_output():

@@ -258,13 +258,19 @@ class Engine:
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         plan = self._schedule()
-        self.last_step = dict(decode_rows=sum(n == 1 for _, n in plan),
-                              prefill_rows=sum(n > 1 for _, n in plan), tokens=sum(n for _, n in plan))
+        # (decode_seconds: the decode batch's own time, without the step's prompt chunks;
+        # first_call: a shape ran for its first time, or was loaded, and cost more than it will)
+        self.last_step = dict(decode_rows=sum(n == 1 for _, n in plan), prefill_rows=sum(n > 1 for _, n in plan),
+                              tokens=sum(n for _, n in plan), decode_seconds=0.0, first_call=False)
         if plan:
             self.counters["steps"] += 1
-            results = {}
+            results, ran = {}, len(self._ran)
             for group in self._groups(plan):
-                results.update(self._run(group, decode=group[0][1] == 1))
+                decode, begun = group[0][1] == 1, time.perf_counter()
+                results.update(self._run(group, decode=decode))
+                if decode:
+                    self.last_step["decode_seconds"] = time.perf_counter() - begun
+            self.last_step["first_call"] = len(self._ran) > ran
             outputs += self._commit(plan, results)
         self.policy.observe(self, time.perf_counter() - start, outputs)
         for out in outputs:

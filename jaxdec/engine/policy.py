@@ -24,8 +24,10 @@ The policies:
   - memory: a request is admitted only if the pages that every running request and it are
     predicted to hold at their end (prompt + predicted output, `predicted_tokens`) fit in
     (1 - `headroom`) of the pool, so a burst is not admitted only to be preempted later;
-  - latency: an exponential average of the decode steps' time (the inter-token latency
-    every decoding request sees) is checked every `window` decode steps against `tpot_slo`:
+  - latency: an exponential average of the decode batches' time (the paper's per-token
+    decode latency: the time b decoding rows take, without the prompt chunks a mixed step
+    also runs, which the batch bound does not change, and without a shape's costlier first
+    call) is checked every `window` decode steps against `tpot_slo`:
     over it, b_sla shrinks to (1 - `shrink`) of the running batch (once the batch has
     drained to b_sla, so each cut is measured before the next); under (1 - `margin`) of it
     while requests wait at the limit, b_sla grows by one (additive increase,
@@ -129,8 +131,10 @@ class SLA(FCFS):
             if out.finished and out.finish_reason != "abort":
                 n = len(out.request.output_ids)
                 self.mean_output = n if self.mean_output is None else 0.9 * self.mean_output + 0.1 * n
-        if not engine.last_step["decode_rows"]:
+        step = engine.last_step
+        if not step["decode_rows"] or step.get("first_call"):
             return
+        seconds = step.get("decode_seconds") or seconds
         a = self.smoothing
         self.itl = seconds if self.itl is None else (1 - a) * self.itl + a * seconds
         self._since += 1
