@@ -127,7 +127,11 @@ def _prefetch(digests: list[str]) -> None:
 
 
 def _recent_path(tag: str) -> pathlib.Path:
-    return _dir / f"recent-{hashlib.sha256(tag.encode()).hexdigest()[:16]}.txt"
+    """The tag's list, for these versions and jaxdec sources (`_process`): after an upgrade
+    or an edit, the last run's executables are stale, never called again, and loading them
+    would only add XLA's memory maps (~600-1,200 each: 64 of them ran a warm server past
+    vm.max_map_count)."""
+    return _dir / f"recent-{hashlib.sha256((tag + _process()).encode()).hexdigest()[:16]}.txt"
 
 
 def _remember(digest: str) -> None:

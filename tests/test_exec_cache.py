@@ -101,10 +101,11 @@ def test_streamed_chunks_from_the_cache_equal_one_jit(tiny, cache_dir):
     assert exec_cache.stats["compiled"] == 2 and exec_cache.stats["disk"] == 2
 
 
-def test_prefetch_loads_the_programs_the_tags_last_run_used(tiny, cache_dir):
+def test_prefetch_loads_the_programs_the_tags_last_run_used(tiny, cache_dir, monkeypatch):
     """A run under a prefetch tag lists the executables it used; after a restart,
     `prefetch(tag)` loads them on a thread and the calls run them (the jit's tokens). A
-    call they do not fit is served as before, and another tag prefetches nothing."""
+    call they do not fit is served as before; another tag, or the same tag under other
+    jaxdec sources, prefetches nothing."""
     cfg, params = tiny
     args = _inputs(cfg, params, np.random.default_rng())
     static = dict(sampler=Greedy(), cfg=cfg, stop_ids=())
@@ -129,6 +130,12 @@ def test_prefetch_loads_the_programs_the_tags_last_run_used(tiny, cache_dir):
     exec_cache.prefetch("generate").join()
     _same(streamed(16), ref)
     assert exec_cache.stats == {"prefetched": 2, "memory": 2}
+
+    _forget()
+    exec_cache.stats.clear()
+    monkeypatch.setattr(exec_cache, "_process_ident", exec_cache._process() + " (edited sources)")
+    assert exec_cache.prefetch("generate") is None  # (the list of other sources: stale programs)
+    monkeypatch.undo()
 
     _forget()
     exec_cache.stats.clear()
