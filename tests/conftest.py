@@ -100,6 +100,9 @@ def _hf_model(name: str, dtype: str):
     return model.eval()
 
 
+hf_model.cache_clear = _hf_model.cache_clear  # (modules free the loaded models, as of an lru_cache)
+
+
 @functools.lru_cache(maxsize=None)
 def hf_tokenizer(name: str):
     import transformers
@@ -121,7 +124,7 @@ def _release_compiled_code():
     import jax
 
     jax.clear_caches()
-    _hf_model.cache_clear()
+    hf_model.cache_clear()
     gc.collect()
 
 

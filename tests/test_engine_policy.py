@@ -49,18 +49,31 @@ def test_every_policy_gives_generates_tokens_and_keeps_its_schedule(smol, refere
 
 
 def test_fcfs_mixes_and_admits_while_decoding(tiny):
-    """The work-conserving schedule the baselines are measured against does both."""
+    """The work-conserving schedule the baselines are measured against does both. Each
+    step also records what the SLA feedback reads: its decode batch's own time (without
+    the prompt chunks a mixed step runs) and whether a shape ran for its first time."""
     engine = Engine(tiny, max_num_seqs=3, max_num_batched_tokens=48, page_size=16, max_model_len=256)
-    seen = dict(mixed=0, late=0)
+    seen, steps, step = dict(mixed=0, late=0), [], engine.step
+
+    def timed():
+        ran, start = len(engine._ran), time.perf_counter()
+        out = step()
+        steps.append((dict(engine.last_step), time.perf_counter() - start, len(engine._ran) > ran))
+        return out
 
     def watch(engine, before, decoding):
         seen["late"] += bool({r.id for r in engine.running} - before) and decoding
         seen["mixed"] += engine.last_step["decode_rows"] > 0 and engine.last_step["prefill_rows"] > 0
 
+    engine.step = timed
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 256, int(rng.integers(20, 60))).tolist() for _ in range(8)]
     drive(engine, prompts, SamplingParams(max_tokens=12, ignore_eos=True), watch=watch)
     assert seen["mixed"] > 0 and seen["late"] > 0
+    for last, total, new_shape in steps:
+        assert (last["decode_seconds"] > 0) == (last["decode_rows"] > 0) and last["decode_seconds"] < total, last
+        assert last["first_call"] == new_shape, last
+    assert steps[0][0]["first_call"] and not all(last["first_call"] for last, _, _ in steps)
 
 
 def burst(tiny, policy, rng):
@@ -125,30 +138,6 @@ def test_the_sla_bound_follows_the_papers_feedback_rule():
     for _ in range(8):
         p.observe(engine, slo * 0.1, [])
     assert p.b_sla == 16
-
-
-def test_the_engine_times_the_decode_batch_apart_and_marks_first_calls(tiny):
-    """The SLA feedback's input: a mixed step's prompt chunks are not the decode latency the
-    batch bound controls, and a shape's first call costs more than its later ones."""
-    engine = Engine(tiny, max_num_seqs=2, max_num_batched_tokens=48, page_size=16, max_model_len=128)
-    rng = np.random.default_rng()
-    prompt = lambda: rng.integers(0, 256, int(rng.integers(20, 30))).tolist()
-    engine.add_request(prompt(), SamplingParams(max_tokens=8, ignore_eos=True))
-    steps = []
-    while engine.has_unfinished():
-        if len(steps) == 3:
-            engine.add_request(prompt(), SamplingParams(max_tokens=4, ignore_eos=True))
-        start = time.perf_counter()
-        engine.step()
-        steps.append((dict(engine.last_step), time.perf_counter() - start))
-    for step, total in steps:
-        assert (step["decode_seconds"] > 0) == (step["decode_rows"] > 0), step
-        assert step["decode_seconds"] < total, (step, total)
-    kinds = [(s["decode_rows"], s["prefill_rows"]) for s, _ in steps]
-    firsts = [s["first_call"] for s, _ in steps]
-    assert kinds[:4] == [(0, 1), (1, 0), (1, 0), (1, 1)], kinds  # (the fourth step mixes)
-    assert firsts[:3] == [True, True, False], firsts  # (a prefill shape, a decode shape, the same)
-    assert firsts[4:].count(True) == 1  # (two decode rows: one new shape, once)
 
 
 def test_the_sla_feedback_skips_first_calls_and_reads_the_decode_batch():
