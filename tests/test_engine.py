@@ -16,11 +16,13 @@ import pytest
 import jaxdec
 from conftest import assert_one_line_error, jax_model
 from jaxdec import api
+from jaxdec.bench import serve_bench
 from jaxdec.engine.engine import Engine
 from jaxdec.engine.request import SamplingParams
 from jaxdec.engine.step import run_rows
 from jaxdec.errors import JaxdecError
 from jaxdec.serve.async_engine import AsyncEngine, Submission
+from jaxdec.serve.metrics import Metrics
 from tiny_hf import build, byte_tokenizer
 
 PROMPTS = [
@@ -294,13 +296,17 @@ def test_the_server_loop_primes_while_idle(tiny):
             out.append(await queue.get())
         return [t for o in out for t in o.token_ids]
 
+    # (what `jaxdec bench serve` waits on: the server's /metrics gauge of shapes left to prime)
+    gauge = lambda: serve_bench.unprimed(Metrics(lambda: front.stats).render().decode())
+    assert gauge() == len(engine.unprimed()) > 0
     front.start()
     try:
         assert asyncio.run(ask()) == want
         deadline = time.monotonic() + 60
-        while engine.unprimed():
+        while gauge():
             assert time.monotonic() < deadline and front.alive, engine.unprimed()
             time.sleep(0.05)
+        assert engine.unprimed() == []
     finally:
         front.shutdown()
     assert front.alive is False and front.error is None

@@ -388,7 +388,7 @@ def test_metrics_parse_and_have_the_histograms(url, client):
         assert families[name].type == "histogram"
         assert s[f"{name}_count"] > 0 and s[f"{name}_sum"] > 0
     for name in ("jaxdec:num_requests_running", "jaxdec:num_requests_waiting", "jaxdec:kv_pages_used",
-                 "jaxdec:kv_pages_free", "jaxdec:prefix_cache_hit_rate"):
+                 "jaxdec:kv_pages_free", "jaxdec:prefix_cache_hit_rate", "jaxdec:step_shapes_unprimed"):
         assert families[name].type == "gauge"
     assert 0 < s["jaxdec:prefix_cache_hit_rate"] < 1  # the repeated long prompt hit
     assert s["jaxdec:prefix_cache_hit_tokens_total"] > 0

@@ -256,6 +256,15 @@ def test_num_kv_pages_reaches_each_jaxdec_server_and_not_llama_cpp():
     assert "--num-kv-pages" not in serve_bench.systems(serve_bench.Settings())[0].argv(serve_bench.Settings(), "m", 1)
 
 
+def test_unprimed_reads_jaxdecs_gauge_and_not_llama_cpps():
+    """(The gauge against a live engine loop: test_engine's priming test.)"""
+    llama = "# HELP llamacpp:requests_processing Number of requests processing.\n" \
+            "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 0\n"
+    assert serve_bench.unprimed(llama) is None
+    n = int(np.random.default_rng().integers(1, 60))
+    assert serve_bench.unprimed(llama + f"# TYPE {serve_bench.UNPRIMED} gauge\n{serve_bench.UNPRIMED} {n}.0\n") == n
+
+
 def test_llama_server_missing_is_one_line():
     assert_one_line_error(serve_bench.find_llama_server, "/nonexistent/llama-server", match="make llama-server")
 

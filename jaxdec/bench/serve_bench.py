@@ -120,8 +120,9 @@ def _tail(log: pathlib.Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, log: pathlib.Path, timeout_s: float) -> None:
-    """Until GET /health answers 200 (ServerFailed if the process exits or time runs out)."""
+def _poll(proc: subprocess.Popen, log: pathlib.Path, timeout_s: float, done, what: str) -> None:
+    """Until `done()` (an HTTP error counts as not yet); ServerFailed if the process exits or
+    time runs out."""
     import httpx2
 
     deadline = time.monotonic() + timeout_s
@@ -129,10 +130,43 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: pathlib.Path, timeout_s: 
         if proc.poll() is not None:
             raise ServerFailed(f"exited with status {proc.returncode}: {_tail(log)}")
         with contextlib.suppress(httpx2.HTTPError):
-            if httpx2.get(f"{url}/health", timeout=5.0, trust_env=False).status_code == 200:
+            if done():
                 return
         time.sleep(0.5)
-    raise ServerFailed(f"not ready after {timeout_s:.0f} s: {_tail(log)}")
+    raise ServerFailed(f"{what} after {timeout_s:.0f} s: {_tail(log)}")
+
+
+def _get(url: str):
+    import httpx2
+
+    return httpx2.get(url, timeout=5.0, trust_env=False)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: pathlib.Path, timeout_s: float) -> None:
+    """Until GET /health answers 200."""
+    _poll(proc, log, timeout_s, lambda: _get(f"{url}/health").status_code == 200, "not ready")
+
+
+UNPRIMED = "jaxdec:step_shapes_unprimed"
+
+
+def unprimed(metrics_text: str) -> int | None:
+    """The step shapes a jaxdec server has not run yet, from its /metrics text (None: the
+    gauge is absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == UNPRIMED:
+            return int(family.samples[0].value)
+    return None
+
+
+def _wait_primed(proc: subprocess.Popen, url: str, log: pathlib.Path, timeout_s: float) -> None:
+    """Until a ready jaxdec server has run each warmed step shape once (it does so while
+    idle, `AsyncEngine`): a shape's first call costs 0.1-2 s more than its later ones, and
+    the first load would pay it."""
+    _poll(proc, log, timeout_s, lambda: unprimed(_get(f"{url}/metrics").text) in (0, None),
+          "step shapes not primed")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -147,9 +181,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serving(argv: list[str], log: pathlib.Path, timeout_s: float):
-    """A server started with `argv` (its port in it) -> its base URL, once ready; it is
-    stopped when the block exits, however it exits."""
+def serving(argv: list[str], log: pathlib.Path, timeout_s: float, *, primed: bool = False):
+    """A server started with `argv` (its port in it) -> its base URL, once ready (and with
+    `primed`, once its step shapes have each run: `_wait_primed`); it is stopped when the
+    block exits, however it exits."""
     port = argv[argv.index("--port") + 1]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -157,6 +192,8 @@ def serving(argv: list[str], log: pathlib.Path, timeout_s: float):
     try:
         url = f"http://{HOST}:{port}"
         _wait_ready(proc, url, log, timeout_s)
+        if primed:
+            _wait_primed(proc, url, log, timeout_s)
         yield f"{url}/v1"
     finally:
         _stop(proc)
@@ -212,7 +249,9 @@ def bench_system(system: System, s: Settings, gguf: str, loads: list, closed: li
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jaxdec-bench-serve-") as tmp:
         try:
-            with serving(argv, pathlib.Path(tmp, "server.log"), s.start_timeout_s) as url:
+            # (a jaxdec server is driven once its step shapes have each run: no load pays a first call)
+            with serving(argv, pathlib.Path(tmp, "server.log"), s.start_timeout_s,
+                         primed=system.policy is not None) as url:
                 result["ready_s"] = round(time.perf_counter() - start, 1)
                 log(f"  ready in {result['ready_s']} s: {' '.join(argv)}")
                 result |= drive(url, s, loads, closed, warm, log)

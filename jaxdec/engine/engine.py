@@ -248,9 +248,11 @@ class Engine:
 
     def stats(self) -> dict:
         """The counters a server exports: running, waiting, pages used and free, preemptions,
-        prefix-cache tokens hit and queried, tokens computed."""
+        prefix-cache tokens hit and queried, tokens computed, step shapes not yet primed."""
+        unprimed = len((set(self._steps) | self._deferred) - self._ran)
         return dict(running=len(self.running), waiting=len(self.waiting), pages_used=self.pool.n_used,
-                    pages_free=self.pool.n_free, pages_cached=self.pool.n_cached, **self.counters)
+                    pages_free=self.pool.n_free, pages_cached=self.pool.n_cached, unprimed=unprimed,
+                    **self.counters)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -143,6 +143,7 @@ class AsyncEngine:
                     calls, self._calls = self._calls, []
                 if primes:
                     self.engine.prime(primes[0])
+                    self.stats = self.engine.stats()  # (/metrics counts the shapes left to prime)
                     continue
                 for fn, future in calls:
                     self._run_call(fn, future)

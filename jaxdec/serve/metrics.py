@@ -37,6 +37,8 @@ ENGINE_STATS = {
     "generation_tokens": ("counter", "jaxdec:generation_tokens", "Tokens generated."),
     "computed_tokens": ("counter", "jaxdec:computed_tokens", "Tokens run through the model."),
     "steps": ("counter", "jaxdec:engine_steps", "Engine steps run."),
+    "unprimed": ("gauge", "jaxdec:step_shapes_unprimed",
+                 "Warmed step shapes not run yet: each one's first call (0.1-2 s) is still to pay."),
 }
 
 
