@@ -1,6 +1,7 @@
 """The benchmark scripts run (tiny settings), so they cannot rot between measuring sessions."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -18,6 +19,24 @@ def test_device_bench_smoke(tmp_path):
     report = json.loads((tmp_path / "device_bench.json").read_text())
     assert [row["batch"] for row in report["rows"]] == [1, 2]
     assert all(row["jaxdec"]["decode_tok_s"] > 0 for row in report["rows"])
+
+
+def test_device_engine_smoke(tmp_path):
+    """scripts/device_engine.py: the engine's step times and closed loops (tiny, 4 rows); each
+    loop's requests all ran to their output lengths (EOS ignored)."""
+    r = subprocess.run([sys.executable, "scripts/device_engine.py", "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "device_engine.json").read_text())
+    assert list(report["decode_ms"]) == ["1", "2", "4"] and report["ceiling"] > 0
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    from device_engine import TINY, jobs
+
+    for i, (clients, loop) in enumerate(report["closed"].items()):
+        assert loop["output_tokens"] == sum(m for _, m, _ in jobs(TINY.vocab_size, loop["requests"], seed=i))
+    one, four = report["closed"]["1"]["tok_s"], report["closed"]["4"]["tok_s"]
+    assert report["ratio"] == round(four / one, 2)
+    assert "4 clients / 1" in (tmp_path / "device_engine.txt").read_text()
 
 
 def test_device_kernels_smoke(tmp_path):
