@@ -105,8 +105,20 @@ def test_the_sla_policy_admits_by_predicted_kv_and_does_not_preempt_a_burst(tiny
 def fake_engine(n_running: int, n_waiting: int, max_num_seqs: int = 16):
     reqs = lambda n: [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8)) for i in range(n)]
     return types.SimpleNamespace(running=reqs(n_running), waiting=reqs(n_waiting), max_num_seqs=max_num_seqs,
-                                 last_step=dict(decode_rows=n_running), page_size=16,
+                                 last_step=step_record(n_running, 0.0), page_size=16,
                                  pool=types.SimpleNamespace(n_pages=1000))
+
+
+def step_record(decode_rows: int, decode_seconds: float, prefill_rows: int = 0, first_call: bool = False):
+    """What `Engine.step` leaves in `last_step`."""
+    return dict(decode_rows=decode_rows, prefill_rows=prefill_rows, decode_seconds=decode_seconds,
+                first_call=first_call)
+
+
+def decode_step(p, engine, seconds: float) -> None:
+    """`p` observes a step of the running requests' decodes alone, `seconds` long."""
+    engine.last_step = step_record(len(engine.running), seconds)
+    p.observe(engine, seconds, [])
 
 
 def test_the_sla_bound_follows_the_papers_feedback_rule():
@@ -121,34 +133,93 @@ def test_the_sla_bound_follows_the_papers_feedback_rule():
     expected = 16
     for _ in range(3):  # slow steps: 16 -> 12 -> 9 -> 6, the batch draining to each bound
         for _ in range(4):
-            p.observe(engine, slo * 3, [])
+            decode_step(p, engine, slo * 3)
         expected = max(1, math.floor(expected * 0.75))
         assert p.b_sla == expected
         engine.running = engine.running[:expected]
     for _ in range(4):  # still slow, but the batch has not drained to the bound: no cut
         engine.running = fake_engine(expected + 2, 0).running
-        p.observe(engine, slo * 3, [])
+        decode_step(p, engine, slo * 3)
     assert p.b_sla == expected
     engine.running = fake_engine(expected, 0).running
     for step in range(60):  # fast steps, requests waiting at the bound: one more per window
-        p.observe(engine, slo * 0.1, [])
+        decode_step(p, engine, slo * 0.1)
         engine.running = fake_engine(p.b_sla, 0).running
     assert p.b_sla == 16  # and no further than max_num_seqs
     engine.waiting = []
     for _ in range(8):
-        p.observe(engine, slo * 0.1, [])
+        decode_step(p, engine, slo * 0.1)
     assert p.b_sla == 16
 
 
 def test_the_sla_feedback_skips_first_calls_and_reads_the_decode_batch():
     p = policies.SLA(tpot_slo=0.05)
     engine = fake_engine(4, 2)
-    engine.last_step = dict(decode_rows=4, prefill_rows=0, decode_seconds=0.5, first_call=True)
+    engine.last_step = step_record(4, 0.5, first_call=True)
     p.observe(engine, 0.6, [])
-    assert p.itl is None
-    engine.last_step = dict(decode_rows=4, prefill_rows=1, decode_seconds=0.02, first_call=False)
+    assert p.itl is None and p.banked == 0
+    engine.last_step = step_record(4, 0.02, prefill_rows=1)
     p.observe(engine, 0.9, [])  # (a mixed step of 0.9 s, its decode batch 0.02 s)
-    assert p.itl == 0.02
+    assert p.itl == 0.02 and p.banked == pytest.approx(0.05 - 0.9)  # (the pacing reads the whole step)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sla_pacing_keeps_the_mean_step_within_the_slo(seed):
+    """Prompt pacing against its definition: while prompts wait, a step that decodes takes a
+    chunk unless the bank is overdrawn. Over the first k decoding steps, for every k, the
+    mean step time is at most slo + (slo + the longest step) / k; the chunks still run; and
+    without the pacing (fcfs: every step takes a chunk) the mean is far above the SLO."""
+    rng = np.random.default_rng(seed)
+    slo = float(rng.uniform(0.02, 0.2))
+    p = policies.SLA(tpot_slo=slo, window=1 << 30)  # (the batch bound held still)
+    engine = fake_engine(4, 8)
+    times, chunks = [], 0
+    for _ in range(2000):
+        t = float(rng.uniform(0.1, 0.9)) * slo  # the decode batch alone, under the SLO
+        first = rng.random() < 0.02  # (a first call: not banked)
+        if not p.defers_prompts(engine):
+            chunks += 1
+            total = t + float(rng.uniform(1, 12)) * slo
+        else:
+            total = t
+        engine.last_step = step_record(4, t, prefill_rows=int(total > t), first_call=first)
+        p.observe(engine, total, [])
+        if not first:
+            times.append(total)
+    times = np.asarray(times, np.float64)
+    k = np.arange(1, len(times) + 1)
+    assert np.all(np.cumsum(times) / k <= slo + (slo + times.max()) / k + 1e-12)
+    assert 0.03 < chunks / 2000 < 0.5  # (the slack went to prompts: about E[slo - t] / E[chunk])
+    assert p.b_sla is None or p.b_sla == 16
+
+
+def test_the_sla_pacing_runs_prompts_alone_once_overdrawn_and_keeps_the_tokens(tiny):
+    """A real engine under an SLO no step can meet: once the bank is overdrawn no step that
+    decodes also runs prompt tokens (prompts run when nothing decodes), and every request
+    gets the tokens fcfs gives it."""
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, int(rng.integers(20, 60))).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = Engine(tiny, max_num_seqs=3, max_num_batched_tokens=48, page_size=16, max_model_len=256,
+                    enable_prefix_caching=False)
+    want = [engine.requests[i].output_ids for i in drive(engine, prompts, params)]
+    engine.policy = sla = policies.SLA(tpot_slo=1e-9, window=1 << 30)  # (the same engine: compiled once)
+    seen, schedule = dict(overdrawn=0, mixed=0, prompts=0), engine._schedule
+
+    def planned():
+        overdrawn, plan = sla.banked < 0, schedule()
+        # (a decode: one token of a request with output; a 1-token piece of a prompt is no decode)
+        decodes = sum(n == 1 and bool(r.output_ids) for r, n in plan)
+        if overdrawn:
+            seen["overdrawn"] += decodes > 0
+            seen["mixed"] += 0 < decodes < len(plan)
+            seen["prompts"] += decodes < len(plan)
+        return plan
+
+    engine._schedule = planned
+    got = [engine.requests[i].output_ids for i in drive(engine, prompts, params)]
+    assert got == want
+    assert seen["overdrawn"] > 0 and seen["mixed"] == 0 and seen["prompts"] > 0, seen
 
 
 def test_the_sla_prediction_is_the_average_finished_output():
@@ -158,7 +229,6 @@ def test_the_sla_prediction_is_the_average_finished_output():
     rng = np.random.default_rng()
     lengths = rng.integers(5, 60, 30)
     engine = fake_engine(0, 0)
-    engine.last_step = dict(decode_rows=0)
     for n in lengths:
         done = Request("d", [1], SamplingParams(max_tokens=100))
         done.output_ids = [0] * int(n)

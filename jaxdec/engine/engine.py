@@ -294,6 +294,8 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Request, int]]:
         if self.policy.mixed:
+            if self.policy.defers_prompts(self):  # (the decodes alone; prompts if nothing decodes)
+                return self._plan(lambda n: n == 1) or self._plan(lambda n: True)
             return self._plan(lambda n: True)
         # a policy that does not mix: prompt chunks alone when there are any, else decodes
         return self._plan(lambda n: n > 1) or self._plan(lambda n: n == 1)

@@ -3,7 +3,7 @@
     engine = Engine(model, policy="sla")                       # by name, default settings
     engine = Engine(model, policy=policy.SLA(tpot_slo=0.05))   # or an object
 
-A policy answers five questions, and each class below changes only the answers it needs:
+A policy answers six questions, and each class below changes only the answers it needs:
 - `admit_order(waiting)`: which waiting request is admitted first;
 - `victim(running)`: which running request is preempted first when pages run out;
 - `row_limit(engine)`: how many requests may run at once this step (admission stops there;
@@ -11,7 +11,10 @@ A policy answers five questions, and each class below changes only the answers i
 - `admits(engine, request)`: whether the next request in line may be admitted now (if not,
   it and everything behind it waits);
 - `mixed`: whether decodes and prompt chunks share a step. A policy that does not mix runs
-  prompt chunks alone whenever there are any, and decodes otherwise.
+  prompt chunks alone whenever there are any, and decodes otherwise;
+- `defers_prompts(engine)` (asked of a mixing policy): whether this step's prompt chunks wait
+  while requests decode. The step then runs the decodes alone; a step with nothing to
+  decode runs prompt chunks whatever the answer.
 After each step the engine calls `observe(engine, seconds, outputs)`.
 
 The policies:
@@ -32,6 +35,15 @@ The policies:
     drained to b_sla, so each cut is measured before the next); under (1 - `margin`) of it
     while requests wait at the limit, b_sla grows by one (additive increase,
     multiplicative decrease).
+  - prompt pacing: a decoding request waits for the whole step, prompt chunks included, and
+    the batch bound does not shorten those. So every step that decodes banks `tpot_slo`
+    minus its whole time (first calls left out; at most one `tpot_slo` is banked), and a
+    prompt chunk joins the decodes only while the bank is not overdrawn. Over any N steps
+    that decode, their mean time is at most `tpot_slo` + (`tpot_slo` + the longest step) / N
+    (while the decode batches alone are under it: the bound's job), and prompts take the
+    slack that is left: time to first token is traded
+    for time per output token, which the batch bound alone cannot do (the bound cuts the
+    decode batch; on a CPU a 256-token chunk costs ten of its steps).
 - **static** and **prefill-first** are the baselines of `jaxdec bench serve`, the two
   schedules 2504.07347 shows unstable under moderate load:
   - static batching: FCFS, each batch run to completion (admission closes once a running
@@ -67,6 +79,9 @@ class FCFS:
 
     def admits(self, engine, r: Request) -> bool:
         return True
+
+    def defers_prompts(self, engine) -> bool:
+        return False
 
     def observe(self, engine, seconds: float, outputs) -> None:
         pass
@@ -107,6 +122,7 @@ class SLA(FCFS):
         self.b_sla: int | None = None       # the latency bound on running requests
         self.itl: float | None = None       # the decode steps' time, exponentially averaged
         self.mean_output: float | None = None  # finished requests' output lengths, averaged
+        self.banked = 0.0                   # s: tpot_slo minus each decoding step's time, summed
         self._since = 0                     # decode steps since b_sla last moved
 
     def row_limit(self, engine) -> int:
@@ -126,17 +142,20 @@ class SLA(FCFS):
         held = sum(pages(x) for x in engine.running)
         return held + pages(r) <= (1 - self.headroom) * engine.pool.n_pages
 
+    def defers_prompts(self, engine) -> bool:
+        return self.banked < 0
+
     def observe(self, engine, seconds: float, outputs) -> None:
         for out in outputs:
             if out.finished and out.finish_reason != "abort":
                 n = len(out.request.output_ids)
                 self.mean_output = n if self.mean_output is None else 0.9 * self.mean_output + 0.1 * n
         step = engine.last_step
-        if not step["decode_rows"] or step.get("first_call"):
+        if not step["decode_rows"] or step["first_call"]:
             return
-        seconds = step.get("decode_seconds") or seconds
-        a = self.smoothing
-        self.itl = seconds if self.itl is None else (1 - a) * self.itl + a * seconds
+        self.banked = min(self.tpot_slo, self.banked + self.tpot_slo - seconds)  # (the whole step)
+        a, decode = self.smoothing, step["decode_seconds"]  # (the decode batch alone)
+        self.itl = decode if self.itl is None else (1 - a) * self.itl + a * decode
         self._since += 1
         if self._since < self.window:
             return
