@@ -16,6 +16,39 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 REAL_MODELS = ["smollm2", "qwen2.5-coder-0.5b"]
 
 
+def _memoize_gguf_parsing() -> None:
+    """HF's GGUF loader, the reference of the parity tests, parses a model's file anew for
+    its config, its weights and its tokenizer (`gguf.GGUFReader`: 4 s on SmolLM2's
+    vocabulary), and builds gguf's tensor-name map once per submodule (397 times a load,
+    6 s). Both are pure functions of their inputs. Memoized for the session (a file by its
+    path, size, inode and modification time, so one a test rewrites is parsed again), the
+    references are the same numbers in less time."""
+    import gguf
+
+    parsed = {}
+
+    def key(path, mode):
+        st = os.stat(path)
+        return os.path.realpath(path), mode, st.st_size, st.st_ino, st.st_mtime_ns
+
+    class Reader(gguf.GGUFReader):
+        def __new__(cls, path, mode="r"):
+            return parsed.get(key(path, mode)) or super().__new__(cls)
+
+        def __init__(self, path, mode="r"):
+            if not getattr(self, "_parsed", False):
+                super().__init__(path, mode)
+                self._parsed = True
+                if mode == "r":
+                    parsed[key(path, mode)] = self
+
+    gguf.GGUFReader = Reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+
+_memoize_gguf_parsing()
+
+
 def assert_one_line_error(fn, *args, match: str, **kwargs):
     """fn(*args, **kwargs) raises a JaxdecError matching `match`, on one non-empty line."""
     from jaxdec.errors import JaxdecError
