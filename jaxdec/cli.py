@@ -177,8 +177,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "sla", "static", "prefill-first"],
                    help="the scheduler: fcfs and priority (which waiting request runs first; priority: "
                    "a request's `priority`, lower first) fill every step with decodes and prompt chunks; "
-                   "sla admits by predicted KV use, sizes the running batch (2503.05248) and holds prompt chunks "
-                   "back while decoding steps run over --tpot-slo on average; static (run each batch to completion) and prefill-first "
+                   "sla admits by predicted KV use, sizes the running batch (2503.05248) and holds "
+                   "prompt chunks back while decoding steps run over --tpot-slo on average; static "
+                   "(run each batch to completion) and prefill-first "
                    "(prompts and decodes never share a step) are the baselines of `jaxdec bench serve`")
     s.add_argument("--tpot-slo", type=float, default=0.1,
                    help="seconds per output token that the sla policy keeps decoding under (default 0.1)")

@@ -249,10 +249,9 @@ class Engine:
     def stats(self) -> dict:
         """The counters a server exports: running, waiting, pages used and free, preemptions,
         prefix-cache tokens hit and queried, tokens computed, step shapes not yet primed."""
-        unprimed = len((set(self._steps) | self._deferred) - self._ran)
         return dict(running=len(self.running), waiting=len(self.waiting), pages_used=self.pool.n_used,
-                    pages_free=self.pool.n_free, pages_cached=self.pool.n_cached, unprimed=unprimed,
-                    **self.counters)
+                    pages_free=self.pool.n_free, pages_cached=self.pool.n_cached,
+                    unprimed=len(self._unprimed()), **self.counters)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -449,8 +448,10 @@ class Engine:
         """The step shapes compiled, loaded or deferred (`warmup(defer=True)`) that have not
         run yet, cheapest first (`prime` runs them; a shape that is none of these is not
         compiled for this)."""
-        return sorted((s for s in set(self._steps) | self._deferred if s not in self._ran),
-                      key=lambda s: (s[0] * s[1] * s[2], s))
+        return sorted(self._unprimed(), key=lambda s: (s[0] * s[1] * s[2], s))
+
+    def _unprimed(self) -> set[tuple[int, int, int]]:
+        return (self._steps.keys() | self._deferred) - self._ran
 
     def prime(self, shape: tuple[int, int, int]) -> float:
         """Run one step of `shape` on padding rows alone -> its seconds. Padding rows read

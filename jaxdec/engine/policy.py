@@ -41,9 +41,9 @@ The policies:
     prompt chunk joins the decodes only while the bank is not overdrawn. Over any N steps
     that decode, their mean time is at most `tpot_slo` + (`tpot_slo` + the longest step) / N
     (while the decode batches alone are under it: the bound's job), and prompts take the
-    slack that is left: time to first token is traded
-    for time per output token, which the batch bound alone cannot do (the bound cuts the
-    decode batch; on a CPU a 256-token chunk costs ten of its steps).
+    slack that is left: time to first token is traded for time per output token, which the
+    batch bound alone cannot do (the bound cuts the decode batch; on a CPU a 256-token chunk
+    costs ten of its steps).
 - **static** and **prefill-first** are the baselines of `jaxdec bench serve`, the two
   schedules 2504.07347 shows unstable under moderate load:
   - static batching: FCFS, each batch run to completion (admission closes once a running
