@@ -183,6 +183,9 @@ def _serve_parser(sub) -> None:
                    "(prompts and decodes never share a step) are the baselines of `jaxdec bench serve`")
     s.add_argument("--tpot-slo", type=float, default=0.1,
                    help="seconds per output token that the sla policy keeps decoding under (default 0.1)")
+    s.add_argument("--ttft-slo", type=float, default=2.0,
+                   help="seconds to the first token: the sla policy shrinks the running batch when a "
+                   "prompt has waited half of it behind decodes (default 2)")
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV pages of shared prompt prefixes")
     s.add_argument("--num-kv-pages", type=int, default=None, metavar="N",

@@ -451,7 +451,7 @@ def serve(args) -> int:
     from jaxdec.engine.engine import Engine
     from jaxdec.serve import app as serve_app, server  # (FastAPI and uvicorn: only here)
 
-    policy = policies.make(args.policy, tpot_slo=args.tpot_slo)  # (bad flags fail before the model loads)
+    policy = policies.make(args.policy, tpot_slo=args.tpot_slo, ttft_slo=args.ttft_slo)  # (bad flags fail before the model loads)
     if args.num_kv_pages is not None and args.num_kv_pages < 1:
         raise JaxdecError(f"--num-kv-pages must be positive (got {args.num_kv_pages})")
     sock = server.listen(args.host, args.port)  # (as does a taken port)

@@ -127,7 +127,7 @@ def test_the_sla_bound_follows_the_papers_feedback_rule():
     one; each decision sees `window` decode steps of an exponential average."""
     rng = np.random.default_rng()
     slo = float(rng.uniform(0.02, 0.2))
-    p = policies.SLA(tpot_slo=slo, shrink=0.25, margin=0.2, window=4, smoothing=0.3)
+    p = policies.SLA(tpot_slo=slo, ttft_slo=1e9, shrink=0.25, margin=0.2, window=4, smoothing=0.3)
     engine = fake_engine(16, 10)
     assert p.row_limit(engine) == 16
     expected = 16
@@ -142,7 +142,11 @@ def test_the_sla_bound_follows_the_papers_feedback_rule():
         decode_step(p, engine, slo * 3)
     assert p.b_sla == expected
     engine.running = fake_engine(expected, 0).running
-    for step in range(60):  # fast steps, requests waiting at the bound: one more per window
+    while p.banked < 0:  # fast steps: no growth while the slow ones' debt is repaid
+        decode_step(p, engine, slo * 0.1)  # (the average still over the SLO at first: one more cut)
+        assert p.b_sla <= expected or p.banked >= 0  # (the step that repays it may grow)
+        expected = p.b_sla
+    for step in range(60):  # requests waiting at the bound: one more per window
         decode_step(p, engine, slo * 0.1)
         engine.running = fake_engine(p.b_sla, 0).running
     assert p.b_sla == 16  # and no further than max_num_seqs
@@ -150,6 +154,53 @@ def test_the_sla_bound_follows_the_papers_feedback_rule():
     for _ in range(8):
         decode_step(p, engine, slo * 0.1)
     assert p.b_sla == 16
+
+
+def test_the_sla_bound_yields_to_prompts_that_wait_behind_an_overdrawn_bank():
+    """Decode batches well under the TPOT SLO, prompts held back by the bank: the bound stays
+    while no request has waited half of ttft_slo for its first token, is cut by the same
+    factor once one has (admitted and mid-prompt, or waiting), and grows again only once
+    the bank is repaid and nothing is overdue."""
+    rng = np.random.default_rng()
+    slo, ttft = float(rng.uniform(0.02, 0.2)), float(rng.uniform(1, 5))
+    p = policies.SLA(tpot_slo=slo, ttft_slo=ttft, shrink=0.25, margin=0.2, window=4)
+    engine = fake_engine(16, 10)
+    now = time.monotonic()
+    for r in engine.waiting + engine.running:
+        r.arrival = now - 0.4 * ttft  # (waited, but not half of ttft_slo)
+        r.first_token_time = None if r in engine.waiting else now
+    engine.last_step = step_record(16, 0.5 * slo, prefill_rows=1)
+    p.observe(engine, 40 * slo, [])  # (a prompt chunk: the bank is overdrawn)
+    assert p.row_limit(engine) == 16 and p.defers_prompts(engine)
+    for _ in range(8):
+        decode_step(p, engine, 0.5 * slo)
+    assert p.b_sla == 16  # (under the SLO, nobody overdue: the bound holds, and does not grow)
+    mid_prompt = engine.running[3]
+    mid_prompt.first_token_time, mid_prompt.arrival = None, time.monotonic() - 0.6 * ttft
+    expected = 16
+    for _ in range(2):  # overdue behind the bank: 16 -> 12 -> 9, the batch draining to each
+        for _ in range(4):
+            decode_step(p, engine, 0.5 * slo)
+        expected = math.floor(expected * 0.75)
+        assert p.b_sla == expected and p.banked < 0
+        engine.running = engine.running[:expected]  # (mid_prompt, the fourth, stays)
+    mid_prompt.first_token_time = time.monotonic()
+    engine.waiting[0].arrival = time.monotonic() - 0.6 * ttft  # (overdue while waiting: the same)
+    for _ in range(4):
+        decode_step(p, engine, 0.5 * slo)
+    expected = math.floor(expected * 0.75)
+    assert p.b_sla == expected
+    engine.running = engine.running[:expected]
+    engine.waiting[0].arrival = time.monotonic()
+    while p.banked < 0:
+        assert p.b_sla == expected  # (nothing overdue, but the bank still owes: no growth)
+        decode_step(p, engine, 0.5 * slo)
+    expected = p.b_sla  # (the step that repaid it may have grown it)
+    engine.waiting[0].arrival = time.monotonic() - 0.6 * ttft
+    for _ in range(4):  # overdue, but the bank is repaid: rows, not prompts, hold it back
+        decode_step(p, engine, 0.5 * slo)
+        engine.running = fake_engine(p.b_sla, 0).running
+    assert p.b_sla == expected + 1
 
 
 def test_the_sla_feedback_skips_first_calls_and_reads_the_decode_batch():
@@ -243,6 +294,7 @@ def test_the_sla_prediction_is_the_average_finished_output():
 
 def test_bad_policy_settings_are_one_line_errors(tiny):
     assert_one_line_error(policies.SLA, tpot_slo=0, match="tpot_slo")
+    assert_one_line_error(policies.SLA, ttft_slo=float("inf"), match="ttft_slo")
     assert_one_line_error(policies.SLA, tpot_slo=float("nan"), match="tpot_slo")
     assert_one_line_error(policies.SLA, 0.1, shrink=1.0, match="shrink")
     assert_one_line_error(Engine, tiny, policy="lottery", match="unknown scheduling policy")

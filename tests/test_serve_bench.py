@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxdec import cli
 from jaxdec.bench import serve_bench, serve_client, serve_report, serve_stats
 from jaxdec.bench.serve_stats import Record, Slo
 from jaxdec.bench.workload import poisson_arrivals
@@ -245,13 +246,19 @@ def test_sla_over_the_best_fixed_limit():
     assert serve_bench.sla_vs_static(results, {**caps, "fcfs": None, "fcfs seqs=4": None})["ratio"] is None
 
 
-def test_num_kv_pages_reaches_each_jaxdec_server_and_not_llama_cpp():
+def test_num_kv_pages_and_the_slos_reach_the_jaxdec_servers_and_not_llama_cpp():
+    rng = np.random.default_rng()
+    ttft, tpot = round(float(rng.uniform(0.5, 5)), 3), round(float(rng.uniform(0.01, 0.2)), 3)
     s = serve_bench.Settings(systems=("sla", "llama.cpp"), static_seqs=(4,), num_kv_pages=48,
-                             llama_server="/bin/llama-server")
+                             llama_server="/bin/llama-server", ttft_slo=ttft, tpot_slo=tpot)
     argv = {system.name: system.argv(s, "m.gguf", 1234) for system in serve_bench.systems(s)}
     assert set(argv) == {"sla", "llama.cpp", "fcfs seqs=4"}
     for name in ("sla", "fcfs seqs=4"):
         assert argv[name][argv[name].index("--num-kv-pages") + 1] == "48"
+        flags = cli.build_parser().parse_args(argv[name][argv[name].index("serve"):])  # (jaxdec serve's own parser)
+        assert (flags.policy, flags.num_kv_pages) == (name.split()[0], 48)
+    sla = cli.build_parser().parse_args(argv["sla"][argv["sla"].index("serve"):])
+    assert (sla.ttft_slo, sla.tpot_slo) == (ttft, tpot)  # (the sla server holds the bench's SLOs)
     assert "--num-kv-pages" not in argv["llama.cpp"]
     assert "--num-kv-pages" not in serve_bench.systems(serve_bench.Settings())[0].argv(serve_bench.Settings(), "m", 1)
 

@@ -79,7 +79,8 @@ class System:
                 "--max-num-seqs", str(n), "--max-model-len", str(s.context)]
         if s.num_kv_pages is not None:
             argv += ["--num-kv-pages", str(s.num_kv_pages)]
-        return argv + (["--tpot-slo", str(s.tpot_slo)] if self.policy == "sla" else [])
+        sla = ["--tpot-slo", str(s.tpot_slo), "--ttft-slo", str(s.ttft_slo)]
+        return argv + (sla if self.policy == "sla" else [])
 
 
 def systems(s: Settings) -> list[System]:

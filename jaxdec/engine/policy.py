@@ -33,8 +33,8 @@ The policies:
     call) is checked every `window` decode steps against `tpot_slo`:
     over it, b_sla shrinks to (1 - `shrink`) of the running batch (once the batch has
     drained to b_sla, so each cut is measured before the next); under (1 - `margin`) of it
-    while requests wait at the limit, b_sla grows by one (additive increase,
-    multiplicative decrease).
+    while requests wait at the limit (and the bank below is not overdrawn), b_sla grows by
+    one (additive increase, multiplicative decrease).
   - prompt pacing: a decoding request waits for the whole step, prompt chunks included, and
     the batch bound does not shorten those. So every step that decodes banks `tpot_slo`
     minus its whole time (first calls left out; at most one `tpot_slo` is banked), and a
@@ -44,6 +44,11 @@ The policies:
     slack that is left: time to first token is traded for time per output token, which the
     batch bound alone cannot do (the bound cuts the decode batch; on a CPU a 256-token chunk
     costs ten of its steps).
+  - yielding to prompts (not the paper's: it has no TTFT target): the slack a decode step
+    leaves is `tpot_slo` minus its time, so the larger the batch the slower prompts drain
+    through the bank. When a request has waited half of `ttft_slo` for its first token while
+    the bank is overdrawn, b_sla is cut as it is over the TPOT SLO; the batch is then sized
+    for the SLO minus the prompt load rather than for the SLO alone.
 - **static** and **prefill-first** are the baselines of `jaxdec bench serve`, the two
   schedules 2504.07347 shows unstable under moderate load:
   - static batching: FCFS, each batch run to completion (admission closes once a running
@@ -54,6 +59,7 @@ The policies:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 from jaxdec.engine.request import Request
@@ -109,15 +115,17 @@ class PrefillFirst(FCFS):
 class SLA(FCFS):
     name = "sla"
 
-    def __init__(self, tpot_slo: float = 0.1, *, headroom: float = 0.1, shrink: float = 0.25,
-                 margin: float = 0.2, window: int = 4, smoothing: float = 0.3):
-        if not (isinstance(tpot_slo, (int, float)) and tpot_slo > 0 and math.isfinite(tpot_slo)):
-            raise JaxdecError(f"tpot_slo must be a positive number of seconds (got {tpot_slo!r})")
+    def __init__(self, tpot_slo: float = 0.1, ttft_slo: float = 2.0, *, headroom: float = 0.1,
+                 shrink: float = 0.25, margin: float = 0.2, window: int = 4, smoothing: float = 0.3):
+        for name, value in (("tpot_slo", tpot_slo), ("ttft_slo", ttft_slo)):
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise JaxdecError(f"{name} must be a positive number of seconds (got {value!r})")
         for name, value in (("headroom", headroom), ("shrink", shrink), ("margin", margin),
                             ("smoothing", smoothing)):
             if not 0 <= value < 1:
                 raise JaxdecError(f"{name} must be in [0, 1) (got {value!r})")
-        self.tpot_slo, self.headroom, self.shrink, self.margin = float(tpot_slo), headroom, shrink, margin
+        self.tpot_slo, self.ttft_slo = float(tpot_slo), float(ttft_slo)
+        self.headroom, self.shrink, self.margin = headroom, shrink, margin
         self.window, self.smoothing = window, smoothing
         self.b_sla: int | None = None       # the latency bound on running requests
         self.itl: float | None = None       # the decode steps' time, exponentially averaged
@@ -145,6 +153,12 @@ class SLA(FCFS):
     def defers_prompts(self, engine) -> bool:
         return self.banked < 0
 
+    def overdue(self, engine) -> bool:
+        """Whether a request has waited half of `ttft_slo` for its first token (admitted or not)."""
+        since = time.monotonic() - self.ttft_slo / 2
+        return any(r.first_token_time is None and r.arrival < since
+                   for queue in (engine.waiting, engine.running) for r in queue)
+
     def observe(self, engine, seconds: float, outputs) -> None:
         for out in outputs:
             if out.finished and out.finish_reason != "abort":
@@ -160,9 +174,11 @@ class SLA(FCFS):
         if self._since < self.window:
             return
         b, n = self.row_limit(engine), len(engine.running)
-        if self.itl > self.tpot_slo and n <= b:  # (while the batch drains to b, the average still measures more)
+        # (while the batch drains to b, the average still measures more: cut once it has)
+        if n <= b and (self.itl > self.tpot_slo or (self.banked < 0 and self.overdue(engine))):
             self.b_sla, self._since = max(1, min(n - 1, math.floor(n * (1 - self.shrink)))), 0
-        elif self.itl < (1 - self.margin) * self.tpot_slo and n >= b and engine.waiting:
+        elif (self.itl < (1 - self.margin) * self.tpot_slo and n >= b and engine.waiting
+              and self.banked >= 0):
             self.b_sla, self._since = min(engine.max_num_seqs, b + 1), 0
 
 
