@@ -163,7 +163,8 @@ def test_the_sla_bound_yields_to_prompts_that_wait_behind_an_overdrawn_bank():
     the bank is repaid and nothing is overdue."""
     rng = np.random.default_rng()
     slo, ttft = float(rng.uniform(0.02, 0.2)), float(rng.uniform(1, 5))
-    p = policies.SLA(tpot_slo=slo, ttft_slo=ttft, shrink=0.25, margin=0.2, window=4)
+    p = policies.SLA(tpot_slo=slo, ttft_slo=ttft, shrink=0.25, margin=0.2, window=4,
+                     horizon=1e-6)  # (the prompts' share of time forgotten at once: this rule alone)
     engine = fake_engine(16, 10)
     now = time.monotonic()
     for r in engine.waiting + engine.running:
@@ -201,6 +202,40 @@ def test_the_sla_bound_yields_to_prompts_that_wait_behind_an_overdrawn_bank():
         decode_step(p, engine, 0.5 * slo)
         engine.running = fake_engine(p.b_sla, 0).running
     assert p.b_sla == expected + 1
+
+
+def test_the_sla_bound_leaves_prompts_their_share_of_the_slo():
+    """The decode batch's target is tpot_slo x (1 - the prompts' share of recent time), that
+    share a time-decayed sum checked against float64 NumPy; over the target (though under
+    the SLO) the bound is cut, and it grows only under (1 - margin) of the target."""
+    rng = np.random.default_rng()
+    slo, horizon = float(rng.uniform(0.02, 0.2)), float(rng.uniform(1, 10))
+    p = policies.SLA(tpot_slo=slo, window=1 << 30, horizon=horizon)
+    engine, steps = fake_engine(8, 4), []
+    for _ in range(200):
+        decode = float(rng.uniform(0.1, 0.5)) * slo if rng.random() < 0.8 else 0.0
+        prompt = float(rng.uniform(0, 10)) * slo if rng.random() < 0.3 or not decode else 0.0
+        engine.last_step = step_record(8 * (decode > 0), decode, prefill_rows=int(prompt > 0))
+        p.observe(engine, decode + prompt, [])
+        steps.append((decode + prompt, prompt))
+    total = np.asarray([t for t, _ in steps], np.float64)
+    ages = np.cumsum(total[::-1])[::-1] - total  # (seconds since each step ended)
+    weights = np.exp(-ages / horizon)
+    share = float(np.sum(weights * [q for _, q in steps]) / np.sum(weights * total))
+    assert p.decode_target() == pytest.approx(slo * (1 - share), rel=1e-9)
+    target = p.decode_target()
+    p.window, p.banked, p.b_sla = 1, 0.0, 8
+    p._prompt_seconds, p._seconds = 1e12 * (1 - target / slo), 1e12  # (the share held still)
+    p.itl = None
+    decode_step(p, engine, 0.5 * (target + slo))  # (under the SLO, over the target: a cut)
+    assert p.decode_target() == pytest.approx(target) and p.b_sla == 6
+    engine.running = engine.running[:6]
+    p.itl = None
+    decode_step(p, engine, 0.9 * target)  # (under the target, not under 0.8 of it: held)
+    assert p.b_sla == 6
+    p.itl = None
+    decode_step(p, engine, 0.7 * target)  # (requests wait at the bound, the bank is whole)
+    assert p.b_sla == 7
 
 
 def test_the_sla_feedback_skips_first_calls_and_reads_the_decode_batch():

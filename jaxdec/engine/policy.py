@@ -46,9 +46,10 @@ The policies:
     costs ten of its steps).
   - yielding to prompts (not the paper's: it has no TTFT target): the slack a decode step
     leaves is `tpot_slo` minus its time, so the larger the batch the slower prompts drain
-    through the bank. When a request has waited half of `ttft_slo` for its first token while
-    the bank is overdrawn, b_sla is cut as it is over the TPOT SLO; the batch is then sized
-    for the SLO minus the prompt load rather than for the SLO alone.
+    through the bank. So the decode batch is held not to `tpot_slo` but to `tpot_slo` x
+    (1 - the share of the last `horizon` seconds that ran prompt chunks): sized for the SLO
+    minus the prompt load. And when a request has waited half of `ttft_slo` for its first
+    token while the bank is overdrawn, b_sla is cut as it is over that target.
 - **static** and **prefill-first** are the baselines of `jaxdec bench serve`, the two
   schedules 2504.07347 shows unstable under moderate load:
   - static batching: FCFS, each batch run to completion (admission closes once a running
@@ -116,8 +117,9 @@ class SLA(FCFS):
     name = "sla"
 
     def __init__(self, tpot_slo: float = 0.1, ttft_slo: float = 2.0, *, headroom: float = 0.1,
-                 shrink: float = 0.25, margin: float = 0.2, window: int = 4, smoothing: float = 0.3):
-        for name, value in (("tpot_slo", tpot_slo), ("ttft_slo", ttft_slo)):
+                 shrink: float = 0.25, margin: float = 0.2, window: int = 4, smoothing: float = 0.3,
+                 horizon: float = 10.0):
+        for name, value in (("tpot_slo", tpot_slo), ("ttft_slo", ttft_slo), ("horizon", horizon)):
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise JaxdecError(f"{name} must be a positive number of seconds (got {value!r})")
         for name, value in (("headroom", headroom), ("shrink", shrink), ("margin", margin),
@@ -132,6 +134,8 @@ class SLA(FCFS):
         self.mean_output: float | None = None  # finished requests' output lengths, averaged
         self.banked = 0.0                   # s: tpot_slo minus each decoding step's time, summed
         self._since = 0                     # decode steps since b_sla last moved
+        self.horizon = horizon              # s: how far back the prompts' share of time reaches
+        self._prompt_seconds = self._seconds = 0.0  # (exponentially decayed sums over that horizon)
 
     def row_limit(self, engine) -> int:
         if self.b_sla is None:
@@ -165,7 +169,12 @@ class SLA(FCFS):
                 n = len(out.request.output_ids)
                 self.mean_output = n if self.mean_output is None else 0.9 * self.mean_output + 0.1 * n
         step = engine.last_step
-        if not step["decode_rows"] or step["first_call"]:
+        if step["first_call"] or not (step["decode_rows"] or step["prefill_rows"]):
+            return
+        decay = math.exp(-seconds / self.horizon)  # (the prompts' share of the last `horizon` s)
+        self._prompt_seconds = decay * self._prompt_seconds + seconds - step["decode_seconds"]
+        self._seconds = decay * self._seconds + seconds
+        if not step["decode_rows"]:
             return
         self.banked = min(self.tpot_slo, self.banked + self.tpot_slo - seconds)  # (the whole step)
         a, decode = self.smoothing, step["decode_seconds"]  # (the decode batch alone)
@@ -173,13 +182,18 @@ class SLA(FCFS):
         self._since += 1
         if self._since < self.window:
             return
-        b, n = self.row_limit(engine), len(engine.running)
+        b, n, target = self.row_limit(engine), len(engine.running), self.decode_target()
         # (while the batch drains to b, the average still measures more: cut once it has)
-        if n <= b and (self.itl > self.tpot_slo or (self.banked < 0 and self.overdue(engine))):
+        if n <= b and (self.itl > target or (self.banked < 0 and self.overdue(engine))):
             self.b_sla, self._since = max(1, min(n - 1, math.floor(n * (1 - self.shrink)))), 0
-        elif (self.itl < (1 - self.margin) * self.tpot_slo and n >= b and engine.waiting
-              and self.banked >= 0):
+        elif self.itl < (1 - self.margin) * target and n >= b and engine.waiting and self.banked >= 0:
             self.b_sla, self._since = min(engine.max_num_seqs, b + 1), 0
+
+    def decode_target(self) -> float:
+        """The decode batch's time that leaves prompts their recent share of each step:
+        `tpot_slo` x (1 - the share of the last `horizon` seconds that ran prompt chunks)."""
+        share = self._prompt_seconds / self._seconds if self._seconds else 0.0
+        return self.tpot_slo * (1 - share)
 
 
 POLICIES = {p.name: p for p in (FCFS, Priority, SLA, Static, PrefillFirst)}
