@@ -30,7 +30,8 @@ The policies:
   - latency: an exponential average of the decode batches' time (the paper's per-token
     decode latency: the time b decoding rows take, without the prompt chunks a mixed step
     also runs, which the batch bound does not change, and without a shape's costlier first
-    call) is checked every `window` decode steps against `tpot_slo`:
+    call) is checked every `window` decode steps against `tpot_slo` (less the prompts'
+    share of time, below):
     over it, b_sla shrinks to (1 - `shrink`) of the running batch (once the batch has
     drained to b_sla, so each cut is measured before the next); under (1 - `margin`) of it
     while requests wait at the limit (and the bank below is not overdrawn), b_sla grows by
