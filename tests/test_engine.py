@@ -525,13 +525,13 @@ def top2_gap(model, prompt_ids, ids) -> float:
 def test_an_int8_pool_is_schedule_free_and_follows_generate():
     """Over an int8 page pool, the engine's greedy tokens depend on the schedule only at
     near-ties: chunks of 7 with prefix hits and a forced preemption every 4 steps give what
-    chunks of 32 without either give, but where a top-2 gap is small. Against jaxdec.generate with the int8 cache kind (which
-    stores the same codes for the same keys: test_cache_kinds) they agree up to near-ties: a
-    prompt's attention runs on XLA's dots, whose sums are ordered by the chunk's shape ([4,
-    32] rows here, [16, 64] there), and a key that rounds to the neighbouring code moves a
-    logit by ~1e-3, so a request may part from generate's tokens only where generate's top-2
-    logits are close (it prints what parts: with -s; a wrong page moves logits by whole
-    units)."""
+    chunks of 32 without either give, but where a top-2 gap is small. Against
+    jaxdec.generate with the int8 cache kind (which stores the same codes for the same keys:
+    test_cache_kinds) they agree up to near-ties too: a prompt's attention runs on XLA's
+    dots, whose sums are ordered by the chunk's shape ([4, 32] rows here, [16, 64] there),
+    and a key that rounds to the neighbouring code moves a logit by ~1e-3, so a request may
+    part only where the top-2 logits are close (it prints what parts: with -s; a wrong page
+    moves logits by whole units)."""
     model = jaxdec.load("smollm2", kv_cache="int8")
     prompts = sixteen_prompts()
     got, engine = run_schedule(model, prompts, max_chunk=7, prefix=True)
